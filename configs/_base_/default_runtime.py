@@ -1,0 +1,26 @@
+# Defaults every pimm config inherits. Batch sizes and workers are GLOBAL totals:
+# each of W ranks gets batch_size / W events and num_worker // W loader workers.
+seed = 0
+epochs = 1
+max_steps = None  # stop after this many optimizer steps (None: run all epochs)
+batch_size = 16  # global events per optimizer step; must be divisible by the world size
+batch_size_val = None  # None: one event per rank
+batch_size_test = None  # None: one event per rank
+num_worker = 0  # global loader workers
+
+parallel = dict(strategy="ddp")  # used when world size > 1
+find_unused_parameters = False
+sync_bn = False  # converts BatchNorm only when distributed on CUDA
+
+amp = dict(enabled=True, dtype="bfloat16")  # autocast on CUDA only
+clip_grad = None  # max gradient norm (None: no clipping)
+
+optimizer = dict(type="AdamW", lr=1e-3, weight_decay=0.01)
+scheduler = None  # None: constant learning rate
+
+log_every = 10  # optimizer steps between train log lines / metrics records
+eval_every_epochs = 1
+log_event_ids = False  # write the event ids of every step to logs/event_ids_rank*.jsonl
+
+data = dict(num_classes=5, names=["shower", "track", "michel", "delta", "low_energy"], train=None, val=None, test=None)
+debug = dict(nonfinite_loss_at_step=None)  # fault injection for tests

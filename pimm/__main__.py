@@ -1,0 +1,5 @@
+import sys
+
+from pimm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,321 @@
+"""The training loop: one readable `Trainer` over a plain model and a strategy.
+
+Global batch semantics: each optimizer step consumes one global batch of `batch_size` events,
+split evenly over ranks. The loss is the mean over events of each event's mean point loss, so
+the gradient (averaged over ranks by the strategy) is the same at any world size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pimm.data.collate import collate_events
+from pimm.data.dataset import build_dataset
+from pimm.data.sampler import GlobalBatchSampler, ShardedEvalSampler
+from pimm.distributed.batch import plan_batches
+from pimm.distributed.env import DistEnv, all_reduce_sum, barrier
+from pimm.distributed.strategy import build_strategy
+from pimm.engine.logs import MetricsWriter
+from pimm.engine.metrics import SegmentationMeter
+from pimm.engine.optim import build_optimizer, build_scheduler
+from pimm.engine.plot import plot_metrics
+from pimm.errors import ConfigError, TrainingError
+from pimm.models import build_model
+
+log = logging.getLogger("pimm")
+
+
+@dataclass
+class TrainState:
+    """Where training stands; with the weights and optimizer this is everything a resume needs."""
+
+    epoch: int = 0  # the epoch in progress (0-based)
+    samples_in_epoch: int = 0  # global events consumed so far in that epoch (the data cursor)
+    step: int = 0  # optimizer steps taken since the start of the run
+    best_metric: float = -math.inf
+
+
+def event_mean_loss(logits: torch.Tensor, target: torch.Tensor, offset: torch.Tensor):
+    """Per-event mean cross-entropy and its mean over events -> (loss, event_losses)."""
+    point_loss = F.cross_entropy(logits.float(), target, reduction="none")
+    counts = torch.diff(offset, prepend=offset.new_zeros(1))
+    batch_index = torch.repeat_interleave(torch.arange(len(offset), device=offset.device), counts)
+    event_losses = point_loss.new_zeros(len(offset)).index_add_(0, batch_index, point_loss) / counts
+    return event_losses.mean(), event_losses
+
+
+class Trainer:
+    """Builds data, model, strategy and optimizer from a resolved config and runs epochs."""
+
+    def __init__(self, cfg: dict, run_dir: Path, env: DistEnv) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.env = env
+        self.plan = plan_batches(cfg, env.world_size)
+        self.seed = int(cfg["seed"])
+        self.state = TrainState()
+
+        self.train_set = build_dataset(cfg["data"]["train"], seed=self.seed)
+        self.val_set = build_dataset(cfg["data"]["val"], seed=self.seed) if cfg["data"].get("val") else None
+        self.sampler = GlobalBatchSampler(
+            len(self.train_set), self.plan.global_batch_size, env.world_size, env.rank, self.seed
+        )
+        self.train_loader = self._loader(self.train_set, self.sampler)
+        self.steps_per_epoch = self.sampler.steps_per_epoch
+        self.total_steps = self.steps_per_epoch * int(cfg["epochs"])
+        if cfg.get("max_steps"):
+            self.total_steps = min(self.total_steps, int(cfg["max_steps"]))
+
+        # identical initial weights on every rank and at every world size
+        torch.manual_seed(self.seed)
+        self.model = build_model(cfg["model"])
+        self.strategy = build_strategy(cfg, env)
+        self.module = self.strategy.wrap(self.model, env)
+        self.optimizer = build_optimizer(cfg["optimizer"], self.module.parameters())
+        self.scheduler = build_scheduler(cfg.get("scheduler"), self.optimizer, self.total_steps)
+        self._seed_rank_streams()
+
+        amp = cfg.get("amp") or {}
+        self.autocast = bool(amp.get("enabled", False)) and env.device.type == "cuda"
+        self.autocast_dtype = getattr(torch, amp.get("dtype", "bfloat16"))
+        if amp.get("enabled") and not self.autocast:
+            log.info("amp: autocast is CUDA-only; training in float32 on %s", env.device.type)
+        self.clip_grad = cfg.get("clip_grad")
+        self.metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None)
+        self.event_log = (
+            open(run_dir / "logs" / f"event_ids_rank{env.rank}.jsonl", "a", encoding="utf-8")
+            if cfg.get("log_event_ids")
+            else None
+        )
+        self._nonfinite_at = (cfg.get("debug") or {}).get("nonfinite_loss_at_step")
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def _loader(self, dataset, batch_sampler) -> torch.utils.data.DataLoader:
+        workers = self.plan.workers_per_rank
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=batch_sampler,
+            num_workers=workers,
+            collate_fn=collate_events,
+            pin_memory=self.env.device.type == "cuda",
+            persistent_workers=workers > 0,
+            prefetch_factor=4 if workers > 0 else None,
+        )
+
+    def _seed_rank_streams(self) -> None:
+        """Per-rank streams (dropout, anything unkeyed) derived from the one global seed."""
+        rank_seed = self.seed + 1_000_003 * self.env.rank
+        torch.manual_seed(rank_seed)
+        np.random.seed(rank_seed % 2**32)
+        random.seed(rank_seed)
+
+    def describe(self) -> None:
+        p = self.plan
+        log.info(
+            "world size %d (%d per node), strategy %s, device %s",
+            p.world_size, self.env.local_world_size, self.strategy.name, self.env.device,
+        )
+        log.info(
+            "global batch %d = %d events/rank; val %d/rank; workers %d/rank (global %d)",
+            p.global_batch_size, p.events_per_rank, p.val_events_per_rank, p.workers_per_rank, p.global_workers,
+        )
+        log.info(
+            "train events %d -> %d optimizer steps/epoch (last %d events of each epoch's order dropped), %d steps total",
+            len(self.train_set), self.steps_per_epoch, len(self.train_set) % p.global_batch_size, self.total_steps,
+        )
+        n_params = sum(t.numel() for t in self.model.parameters())
+        log.info("model %s: %.2fM parameters", self.cfg["model"]["type"], n_params / 1e6)
+
+    # -- loop ------------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        """Train to the end; returns the final validation metrics (empty without a val set)."""
+        self.describe()
+        epochs = int(self.cfg["epochs"])
+        final: dict = {}
+        while self.state.epoch < epochs and self.state.step < self.total_steps:
+            self.sampler.set_cursor(self.state.epoch, self.state.samples_in_epoch)
+            self._train_epoch()
+            if self.state.samples_in_epoch >= self.steps_per_epoch * self.plan.global_batch_size:
+                self.state.epoch += 1
+                self.state.samples_in_epoch = 0
+            last = self.state.epoch >= epochs or self.state.step >= self.total_steps
+            if self.val_set is not None and (last or self.state.epoch % int(self.cfg["eval_every_epochs"]) == 0):
+                final = self.evaluate()
+            self.save_weights(final)
+        self.metrics.close()
+        if self.env.is_main:
+            plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plot.png")
+            self._write_summary(final)
+        barrier()
+        return final
+
+    def _train_epoch(self) -> None:
+        self.module.train()
+        log_every = int(self.cfg["log_every"])
+        window_loss = torch.zeros(2, dtype=torch.float64)  # (sum of step losses, steps)
+        window_start = time.perf_counter()
+        progress = self._progress()
+        for batch in self.train_loader:
+            if self.event_log is not None:
+                self._record_event_ids(batch)
+            loss = self._train_step(batch)
+            self.state.step += 1
+            self.state.samples_in_epoch += self.plan.global_batch_size
+            window_loss += torch.tensor([float(loss), 1.0], dtype=torch.float64)
+            if progress is not None:
+                progress.update(1)
+            if self.state.step % log_every == 0 or self.state.step >= self.total_steps:
+                self._log_train(window_loss, time.perf_counter() - window_start, progress)
+                window_loss.zero_()
+                window_start = time.perf_counter()
+            if self.state.step >= self.total_steps:
+                break
+        if progress is not None:
+            progress.close()
+
+    def _train_step(self, batch: dict) -> torch.Tensor:
+        device = self.env.device
+        coord = batch["coord"].to(device, non_blocking=True)
+        feat = batch["feat"].to(device, non_blocking=True)
+        target = batch["segment"].to(device, non_blocking=True)
+        offset = batch["offset"].to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast):
+            logits = self.module(coord, feat, offset)
+        loss, _ = event_mean_loss(logits, target, offset)
+        if self._nonfinite_at == self.state.step + 1 and self.env.is_main:
+            loss = loss * float("nan")  # fault injection for the non-finite guard (tests)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        # the norm is computed after the gradient all-reduce, so every rank sees the same value
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad or math.inf)
+        if not torch.isfinite(grad_norm):
+            self._stop_nonfinite(loss, grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss.detach()
+
+    def _stop_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        step = self.state.step + 1
+        last_good = self.run_dir / "model" / "last"
+        where = f"the last good weights are in {last_good}" if (last_good / ".complete").exists() else (
+            "no checkpoint had been written yet"
+        )
+        raise TrainingError(
+            f"non-finite loss at step {step} (epoch {self.state.epoch + 1}): loss={float(loss):.4g}, "
+            f"grad norm={float(grad_norm):.4g}. Training stopped before the optimizer step; {where}. "
+            "Lower the learning rate, enable clip_grad, or check the data."
+        )
+
+    def _log_train(self, window_loss: torch.Tensor, elapsed: float, progress) -> None:
+        all_reduce_sum(window_loss)  # every rank holds the same number of events: mean of ranks is exact
+        loss = float(window_loss[0] / window_loss[1])
+        steps = window_loss[1] / self.env.world_size
+        rate = float(steps) * self.plan.global_batch_size / max(elapsed, 1e-9)
+        lr = self.optimizer.param_groups[0]["lr"]
+        record = {
+            "kind": "train", "step": self.state.step, "epoch": self.state.epoch + 1,
+            "loss": loss, "lr": lr, "events_per_s": rate,
+        }
+        self.metrics.write(record)
+        if progress is not None:
+            progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+            return
+        remaining = (self.total_steps - self.state.step) * self.plan.global_batch_size / max(rate, 1e-9)
+        log.info(
+            "epoch %d step %d/%d loss %.4f lr %.2e %.1f events/s eta %s",
+            self.state.epoch + 1, self.state.step, self.total_steps, loss, lr, rate,
+            time.strftime("%H:%M:%S", time.gmtime(remaining)),
+        )
+
+    def _progress(self):
+        if not (self.env.is_main and sys.stderr.isatty()):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(
+            total=self.sampler.steps_per_epoch, initial=self.sampler.start_step,
+            desc=f"epoch {self.state.epoch + 1}/{self.cfg['epochs']}", unit="step", dynamic_ncols=True,
+        )
+
+    def _record_event_ids(self, batch: dict) -> None:
+        record = {"step": self.state.step + 1, "epoch": self.state.epoch, "event_ids": batch["event_id"].tolist()}
+        self.event_log.write(json.dumps(record) + "\n")
+        self.event_log.flush()
+
+    # -- evaluation ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Every validation event exactly once over all ranks; metrics summed exactly across ranks."""
+        model = self.strategy.eval_module(self.module)
+        model.eval()
+        sampler = ShardedEvalSampler(len(self.val_set), self.plan.val_events_per_rank, self.env.world_size, self.env.rank)
+        loader = self._loader(self.val_set, sampler)
+        meter = SegmentationMeter(int(self.cfg["data"]["num_classes"]), self.env.device)
+        device = self.env.device
+        for batch in loader:
+            offset = batch["offset"].to(device)
+            target = batch["segment"].to(device)
+            with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast):
+                logits = model(batch["coord"].to(device), batch["feat"].to(device), offset)
+            _, event_losses = event_mean_loss(logits, target, offset)
+            meter.update(logits, target, event_losses)
+        result = meter.compute()
+        self.module.train()
+        names = self.cfg["data"].get("names") or [str(i) for i in range(len(result["iou"]))]
+        per_class = " ".join(f"{n}={v:.3f}" for n, v in zip(names, result["iou"]))
+        log.info(
+            "validation epoch %d step %d: loss %.4f mIoU %.4f acc %.4f (%d events) | %s",
+            self.state.epoch, self.state.step, result["loss"], result["miou"], result["accuracy"],
+            result["events"], per_class,
+        )
+        self.metrics.write({"kind": "val", "step": self.state.step, "epoch": self.state.epoch, **result})
+        return result
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def save_weights(self, metrics: dict) -> None:
+        """Rank 0 writes model/last/weights.pth atomically, and model_best.pth when mIoU improves."""
+        state = self.strategy.eval_module(self.module).state_dict()
+        if not self.env.is_main:
+            return
+        from pimm.checkpoint.weights import save_best_weights, save_last_weights
+
+        save_last_weights(self.run_dir / "model", state, asdict(self.state))
+        miou = metrics.get("miou")
+        if miou is not None and not math.isnan(miou) and miou > self.state.best_metric:
+            self.state.best_metric = miou
+            save_best_weights(self.run_dir / "model", state)
+
+    def _write_summary(self, final: dict) -> None:
+        summary = {
+            "run_dir": str(self.run_dir),
+            "steps": self.state.step,
+            "epochs_completed": self.state.epoch,
+            "world_size": self.env.world_size,
+            "final_val": final,
+            "best_miou": self.state.best_metric if self.state.best_metric > -math.inf else None,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def check_config(cfg: dict) -> None:
+    """Keys the trainer needs, checked before any process group work."""
+    for key in ("seed", "epochs", "batch_size", "model", "optimizer", "data", "log_every", "eval_every_epochs"):
+        if key not in cfg:
+            raise ConfigError(f"config is missing '{key}' (normally set in configs/_base_/default_runtime.py)")
+    if "train" not in cfg["data"] or not cfg["data"]["train"]:
+        raise ConfigError("config has no data.train entry")

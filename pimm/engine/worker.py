@@ -1,0 +1,69 @@
+"""What each torchrun process runs: `python -m pimm.engine.worker --run-dir DIR`.
+
+The launcher has already resolved and written the config into the run directory; every rank
+reads that one file. A rank that fails writes its error to `errors/rank{R}.txt` so the
+launcher can show the failing rank's own message after torchrun exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from pimm.errors import PimmError
+
+
+def _write_error(run_dir: Path, rank: int, text: str) -> None:
+    err_dir = run_dir / "errors"
+    err_dir.mkdir(parents=True, exist_ok=True)
+    (err_dir / f"rank{rank}.txt").write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pimm.engine.worker")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    run_dir: Path = args.run_dir
+    rank = int(os.environ.get("RANK", 0))
+
+    from pimm.engine.logs import setup_logging
+
+    log = setup_logging(run_dir / "logs", rank)
+    env = None
+    try:
+        from pimm.config import load_config
+        from pimm.distributed.env import destroy_distributed, init_distributed
+        from pimm.engine.trainer import Trainer, check_config
+
+        cfg = load_config(run_dir / "config.py")
+        check_config(cfg)
+        env = init_distributed()
+        Trainer(cfg, run_dir, env).fit()
+        destroy_distributed()
+        return 0
+    except PimmError as exc:
+        log.error("%s", exc)
+        _write_error(run_dir, rank, str(exc))
+        return 1
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        _write_error(run_dir, rank, "interrupted (SIGINT)")
+        return 130
+    except Exception as exc:  # a bug or an environment failure: keep the traceback in the rank log
+        log.error("unexpected error: %s: %s", type(exc).__name__, exc)
+        logging.getLogger("pimm").debug("traceback", exc_info=True)
+        with open(run_dir / "logs" / f"rank{rank}.log", "a", encoding="utf-8") as fh:
+            fh.write(traceback.format_exc())
+        _write_error(
+            run_dir, rank,
+            f"{type(exc).__name__}: {exc} (full traceback in {run_dir / 'logs' / f'rank{rank}.log'})",
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

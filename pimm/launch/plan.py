@@ -1,0 +1,147 @@
+"""The launch description: one object that `pimm launch` turns into a torchrun command
+(and that `pimm submit` will render into a Slurm script)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pimm.distributed.batch import BatchPlan, plan_batches
+from pimm.errors import LaunchError
+
+
+@dataclass
+class LaunchPlan:
+    """Everything decided before any process starts."""
+
+    config_name: str
+    config_path: Path
+    cfg: dict
+    nnodes: int
+    nproc_per_node: int
+    device_type: str  # "cuda" or "cpu"
+    run_dir: Path
+    batches: BatchPlan
+    rdzv_endpoint: str | None = None
+    node_rank: int | None = None
+    max_restarts: int = 0
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device_type == "cuda" else "gloo"
+
+    def torchrun_argv(self, python: str | None = None) -> list[str]:
+        """The exact torchrun command (run through this interpreter, so the same environment)."""
+        argv = [python or sys.executable, "-m", "torch.distributed.run"]
+        if self.nnodes == 1 and self.rdzv_endpoint is None:
+            argv.append("--standalone")  # c10d rendezvous on a free local port
+        else:
+            argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", str(self.rdzv_endpoint)]
+            argv += ["--rdzv-id", self.run_dir.name]
+            if self.node_rank is not None:
+                argv += ["--node-rank", str(self.node_rank)]
+        argv += ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc_per_node)]
+        argv += ["--max-restarts", str(self.max_restarts)]
+        argv += ["-m", "pimm.engine.worker", "--run-dir", str(self.run_dir)]
+        return argv
+
+    def describe(self) -> str:
+        b = self.batches
+        val_note = " (batch_size_val=None: one event per rank)" if self.cfg.get("batch_size_val") is None else ""
+        lines = [
+            "torchrun command:",
+            "  " + shlex.join(self.torchrun_argv()),
+            f"world size: {self.world_size} ({self.nnodes} node(s) x {self.nproc_per_node} process(es), "
+            f"{self.device_type}/{self.backend})",
+            f"per rank: batch_size {b.events_per_rank} events (global {b.global_batch_size}), "
+            f"batch_size_val {b.val_events_per_rank} (global {b.global_batch_size_val}){val_note}, "
+            f"batch_size_test {b.test_events_per_rank} (global {b.global_batch_size_test}), "
+            f"num_worker {b.workers_per_rank} (global {b.global_workers})",
+            f"run directory: {self.run_dir}",
+        ]
+        return "\n".join(lines)
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_nproc(requested: str, gpus: int) -> int:
+    """`auto` = all visible GPUs (1 without GPUs); a number is checked against the GPUs present."""
+    if requested == "auto":
+        return max(gpus, 1)
+    try:
+        nproc = int(requested)
+    except ValueError:
+        raise LaunchError(
+            f"--resources.nproc-per-node must be a positive integer or 'auto', got {requested!r}"
+        ) from None
+    if nproc < 1:
+        raise LaunchError(f"--resources.nproc-per-node must be >= 1, got {nproc}")
+    if gpus and nproc > gpus:
+        raise LaunchError(
+            f"--resources.nproc-per-node {nproc} asks for more processes than the {gpus} visible GPU(s); "
+            f"pimm runs one process per GPU. Use --resources.nproc-per-node {gpus} (or auto)."
+        )
+    return nproc
+
+
+def run_directory(exp_root: Path, config_name: str, run_name: str | None, timestamp: bool) -> Path:
+    """exp/<group>/<run>: group from the config's folder, run from --run.name or the config's name."""
+    parts = Path(config_name).with_suffix("").parts
+    group = parts[-2] if len(parts) > 1 else "default"
+    name = run_name or parts[-1]
+    if timestamp:
+        name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return exp_root / group / name
+
+
+def make_plan(
+    config_name: str,
+    config_path: Path,
+    cfg: dict,
+    nproc_per_node: str,
+    nnodes: int,
+    run_dir: Path,
+    rdzv_endpoint: str | None = None,
+    node_rank: int | None = None,
+    max_restarts: int = 0,
+    overrides: list[str] | None = None,
+) -> LaunchPlan:
+    """Check the resources against the machine and the config; raise before anything starts."""
+    if nnodes < 1:
+        raise LaunchError(f"--resources.nnodes must be >= 1, got {nnodes}")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise LaunchError(
+            f"--resources.nnodes {nnodes} needs --resources.rdzv-endpoint HOST:PORT (a host every node "
+            "reaches), or use `pimm submit` to run under Slurm"
+        )
+    if max_restarts < 0:
+        raise LaunchError(f"--resources.max-restarts must be >= 0, got {max_restarts}")
+    gpus = visible_gpus()
+    nproc = resolve_nproc(nproc_per_node, gpus)
+    batches = plan_batches(cfg, nnodes * nproc)
+    return LaunchPlan(
+        config_name=config_name,
+        config_path=config_path,
+        cfg=cfg,
+        nnodes=nnodes,
+        nproc_per_node=nproc,
+        device_type="cuda" if gpus else "cpu",
+        run_dir=run_dir,
+        batches=batches,
+        rdzv_endpoint=rdzv_endpoint,
+        node_rank=node_rank,
+        max_restarts=max_restarts,
+        overrides=list(overrides or []),
+    )
