@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -45,10 +46,8 @@ def run_pimm(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Com
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"pimm {' '.join(args)} timed out\nstdout:\n{out}\nstderr:\n{err}")
+        raise AssertionError(f"pimm {' '.join(args)} timed out\nstdout:\n{out}\nstderr:\n{err}") from None
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # nothing of ours may outlive the test
-        except ProcessLookupError:
-            pass
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

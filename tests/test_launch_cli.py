@@ -20,7 +20,7 @@ def test_dry_run_prints_torchrun_command_and_split(tmp_path, tiny_data):
     )
     assert res.returncode == 0, res.stderr
     out = res.stdout
-    assert "-m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 2" in out
+    assert "-m pimm.launch.torchrun --standalone --nnodes 1 --nproc-per-node 2" in out
     assert "-m pimm.engine.worker --run-dir" in out
     assert "world size: 2" in out and "cpu/gloo" in out
     assert "batch_size 4 events (global 8)" in out
@@ -58,13 +58,13 @@ def test_non_divisible_batch_stops_before_start(tmp_path, nproc, batch):
         (["--train.config", "tests/tiny_semsge"], "did you mean 'tests/tiny_semseg'"),
         (["--train.config", TINY, "--", "data.train.max_lne=3"], "did you mean 'data.train.max_len'"),
         (["--train.config", TINY, "--", "epochs"], "not key=value"),
-        (["--train.config", TINY, "--", "--epochs=3"], "before the `--`"),
+        (["--train.config", TINY, "--", "--epochs=3"], "flags go before the -- separator"),
         (["--train.config", TINY, "--resources.nproc-per-node", "zero"], "positive integer or 'auto'"),
         (["--train.config", TINY, "--resources.nnodes", "2"], "rdzv-endpoint"),
     ],
 )
 def test_bad_input_is_a_clear_error(tmp_path, args, expected):
-    res = run_pimm(["launch", *args, "--dry-run"], cwd=REPO)
+    res = run_pimm(["launch", "--dry-run", *args], cwd=REPO)
     assert res.returncode == 2
     assert expected in res.stderr
     assert "Traceback" not in res.stderr

@@ -234,8 +234,9 @@ def _load(path: Path, stack: list[Path]) -> dict:
     if BASE_KEY in namespace:
         for rel in _base_list(namespace[BASE_KEY], filename):
             base_path = Path(filename).parent / rel
-            if not base_path.is_file() and not rel.endswith(".py") and base_path.with_name(base_path.name + ".py").is_file():
-                base_path = base_path.with_name(base_path.name + ".py")
+            with_py = base_path.with_name(base_path.name + ".py")
+            if not base_path.is_file() and not rel.endswith(".py") and with_py.is_file():
+                base_path = with_py
             if not base_path.is_file():
                 raise ConfigError(
                     f"base config {rel!r} referenced by {filename} not found "

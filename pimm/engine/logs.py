@@ -21,8 +21,8 @@ class _RankFilter(logging.Filter):
 
 
 def setup_logging(log_dir: Path, rank: int) -> logging.Logger:
-    """Every rank logs everything to `log_dir/rank{rank}.log`; rank 0 also prints INFO to stdout,
-    other ranks print only warnings and errors (to stderr)."""
+    """Every rank logs everything to `log_dir/rank{rank}.log` and prints warnings and errors to
+    stderr; rank 0 also prints its INFO lines (progress, validation) to stdout."""
     log_dir.mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger("pimm")
     logger.handlers.clear()
@@ -31,10 +31,18 @@ def setup_logging(log_dir: Path, rank: int) -> logging.Logger:
     rank_filter = _RankFilter(rank)
     file_handler = logging.FileHandler(log_dir / f"rank{rank}.log")
     file_handler.setFormatter(logging.Formatter(FORMAT))
-    console = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
-    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    console.setFormatter(logging.Formatter("[rank %(rank)s] %(message)s" if rank else "%(message)s"))
-    for handler in (file_handler, console):
+    handlers: list[logging.Handler] = [file_handler]
+    problems = logging.StreamHandler(sys.stderr)
+    problems.setLevel(logging.WARNING)
+    problems.setFormatter(logging.Formatter("[rank %(rank)s] %(levelname)s %(message)s"))
+    handlers.append(problems)
+    if rank == 0:
+        progress = logging.StreamHandler(sys.stdout)
+        progress.setLevel(logging.INFO)
+        progress.addFilter(lambda record: record.levelno < logging.WARNING)
+        progress.setFormatter(logging.Formatter("%(message)s"))
+        handlers.append(progress)
+    for handler in handlers:
         handler.addFilter(rank_filter)
         logger.addHandler(handler)
     return logger

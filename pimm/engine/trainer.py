@@ -132,7 +132,8 @@ class Trainer:
             p.global_batch_size, p.events_per_rank, p.val_events_per_rank, p.workers_per_rank, p.global_workers,
         )
         log.info(
-            "train events %d -> %d optimizer steps/epoch (last %d events of each epoch's order dropped), %d steps total",
+            "train events %d -> %d optimizer steps/epoch (last %d events of each epoch's order dropped), "
+            "%d steps total",
             len(self.train_set), self.steps_per_epoch, len(self.train_set) % p.global_batch_size, self.total_steps,
         )
         n_params = sum(t.numel() for t in self.model.parameters())
@@ -214,7 +215,7 @@ class Trainer:
             "no checkpoint had been written yet"
         )
         raise TrainingError(
-            f"non-finite loss at step {step} (epoch {self.state.epoch + 1}): loss={float(loss):.4g}, "
+            f"non-finite loss at step {step} (epoch {self.state.epoch + 1}): loss={float(loss.detach()):.4g}, "
             f"grad norm={float(grad_norm):.4g}. Training stopped before the optimizer step; {where}. "
             "Lower the learning rate, enable clip_grad, or check the data."
         )
@@ -262,7 +263,9 @@ class Trainer:
         """Every validation event exactly once over all ranks; metrics summed exactly across ranks."""
         model = self.strategy.eval_module(self.module)
         model.eval()
-        sampler = ShardedEvalSampler(len(self.val_set), self.plan.val_events_per_rank, self.env.world_size, self.env.rank)
+        sampler = ShardedEvalSampler(
+            len(self.val_set), self.plan.val_events_per_rank, self.env.world_size, self.env.rank
+        )
         loader = self._loader(self.val_set, sampler)
         meter = SegmentationMeter(int(self.cfg["data"]["num_classes"]), self.env.device)
         device = self.env.device

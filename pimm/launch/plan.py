@@ -39,8 +39,9 @@ class LaunchPlan:
         return "nccl" if self.device_type == "cuda" else "gloo"
 
     def torchrun_argv(self, python: str | None = None) -> list[str]:
-        """The exact torchrun command (run through this interpreter, so the same environment)."""
-        argv = [python or sys.executable, "-m", "torch.distributed.run"]
+        """The exact torchrun command: this interpreter (so the same environment) running
+        `pimm.launch.torchrun`, which is torch.distributed.run with a one-line failure summary."""
+        argv = [python or sys.executable, "-m", "pimm.launch.torchrun"]
         if self.nnodes == 1 and self.rdzv_endpoint is None:
             argv.append("--standalone")  # c10d rendezvous on a free local port
         else:
