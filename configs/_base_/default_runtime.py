@@ -23,4 +23,13 @@ eval_every_epochs = 1
 log_event_ids = False  # write the event ids of every step to logs/event_ids_rank*.jsonl
 
 data = dict(num_classes=5, names=["shower", "track", "michel", "delta", "low_energy"], train=None, val=None, test=None)
-debug = dict(nonfinite_loss_at_step=None)  # fault injection for tests
+debug = dict(  # fault injection, used by the tests
+    nonfinite_loss_at_step=None, interrupt_at_step=None, kill_during_checkpoint_at_step=None
+)
+
+# checkpoints: model/last/{weights.pth, trainer.dcp/, .complete}, older ones as model/step_<N>/
+checkpoint_every_n_steps = None  # also at the end of every epoch and on SIGTERM/SIGUSR1
+checkpoint_async = True  # training blocks only for the in-memory copy
+checkpoint_keep_last = 2  # complete checkpoints kept (the older ones are resume fallbacks)
+save_iter_snapshots = False  # also keep model/iter_<step>.pth weights at every checkpoint
+resume_strict_state = True  # False: best effort, load what matches and restart the saved epoch

@@ -1,41 +1,41 @@
-"""Weight files: model/last/weights.pth (atomic, `.complete` last) and model/model_best.pth."""
+"""Plain weight files (model_best.pth, iter_<step>.pth) and warm starts from them."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from pimm.checkpoint.layout import WEIGHTS, CheckpointError, read_manifest
 
-def _atomic_torch_save(obj, path: Path) -> None:
+
+def save_weight_file(state_dict: dict, path: Path) -> Path:
+    """torch.save to a temporary name, then rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
+    torch.save(state_dict, tmp)
     os.replace(tmp, path)
-
-
-def save_last_weights(model_dir: Path, state_dict: dict, train_state: dict) -> Path:
-    """Write a complete `last/` beside the old one, then swap: a crash never leaves no checkpoint."""
-    model_dir.mkdir(parents=True, exist_ok=True)
-    staging = model_dir / ".last.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    torch.save(state_dict, staging / "weights.pth")
-    (staging / "state.json").write_text(json.dumps(train_state))
-    (staging / ".complete").write_text("")
-    last = model_dir / "last"
-    previous = model_dir / ".last.old"
-    shutil.rmtree(previous, ignore_errors=True)
-    if last.exists():
-        os.replace(last, previous)
-    os.replace(staging, last)
-    shutil.rmtree(previous, ignore_errors=True)
-    return last
-
-
-def save_best_weights(model_dir: Path, state_dict: dict) -> Path:
-    path = model_dir / "model_best.pth"
-    _atomic_torch_save(state_dict, path)
     return path
+
+
+def resolve_weight_path(path: str | Path) -> Path:
+    """A .pth file, or a checkpoint directory (which must be complete) -> the weights file."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(
+            f"No weight found at {path}: give a weights file (weights.pth, model_best.pth, iter_<step>.pth) "
+            "or a complete checkpoint directory (model/last)"
+        )
+    if path.is_dir():
+        read_manifest(path)  # 'Incomplete checkpoint directory ...' when it is not complete
+        return path / WEIGHTS
+    return path
+
+
+def load_weight_file(path: str | Path) -> dict:
+    resolved = resolve_weight_path(path)
+    try:
+        return torch.load(resolved, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read weights {resolved}: {exc}") from exc

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from pimm.errors import LaunchError
@@ -43,6 +45,11 @@ def add_parser(sub) -> None:
                    help="use the run name as it is (needed to resume a run by name)")
     p.add_argument("--paths.exp-root", dest="exp_root", type=Path, default=Path("exp"), metavar="DIR",
                    help="root of all run directories (default ./exp)")
+    p.add_argument("--train.resume", dest="resume", action="store_true",
+                   help="continue run <exp-root>/<group>/<run.name> from its newest complete checkpoint "
+                   "(the name is used as given: no timestamp is added)")
+    p.add_argument("--train.weight", dest="weight", metavar="PATH",
+                   help="start a new run from these weights only (weights.pth, model_best.pth or a checkpoint dir)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the torchrun command, world size and per-rank batch/workers; start nothing")
     p.set_defaults(run=run)
@@ -59,11 +66,16 @@ def prepare(args: argparse.Namespace):
     cfg = apply_overrides(load_config(config_path), parse_overrides(args.overrides))
     check_config(cfg)
     config_name = args.config.removesuffix(".py")
-    run_dir = run_directory(args.exp_root, config_name, args.run_name, args.timestamp)
+    run_dir = run_directory(args.exp_root, config_name, args.run_name, args.timestamp and not args.resume)
+    if args.weight:
+        from pimm.checkpoint.weights import resolve_weight_path
+
+        resolve_weight_path(args.weight)  # 'No weight found' / 'Incomplete checkpoint directory' now, not later
     return make_plan(
         config_name, config_path, cfg, args.nproc_per_node, args.nnodes, run_dir,
         rdzv_endpoint=args.rdzv_endpoint, node_rank=args.node_rank,
         max_restarts=args.max_restarts, overrides=args.overrides,
+        resume=args.resume, weight=str(Path(args.weight).resolve()) if args.weight else None,
     )
 
 
@@ -96,15 +108,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"data.{split}: {path} ({state})")
         return 0
     check_data(plan.cfg, plan.batches.global_batch_size)
-    run_dir = plan.run_dir
-    if run_dir.exists():
-        raise LaunchError(
-            f"run directory {run_dir} already exists; choose another --run.name or keep --run.timestamp on"
-        )
-    from pimm.config import config_hash, dump_config
+    from pimm.config import config_hash
 
-    run_dir.mkdir(parents=True)
-    dump_config(plan.cfg, run_dir / "config.py")
+    run_dir = plan.run_dir
+    _prepare_run_dir(plan)
     launch_record = {
         "config": plan.config_name, "config_path": str(plan.config_path), "overrides": plan.overrides,
         "config_hash": config_hash(plan.cfg), "world_size": plan.world_size, "nnodes": plan.nnodes,
@@ -113,12 +120,63 @@ def run(args: argparse.Namespace) -> int:
     }
     (run_dir / "launch.json").write_text(json.dumps(launch_record, indent=2))
     print(plan.describe(), flush=True)
+    shutil.rmtree(run_dir / "errors", ignore_errors=True)  # errors of an earlier attempt
     returncode = _run_torchrun(plan.torchrun_argv())
+    outcome = _last_outcome(run_dir)
+    if outcome.startswith("interrupted"):
+        return _report_interrupted(plan, outcome)
     if returncode != 0:
         _report_failure(run_dir, returncode)
         return returncode
     _report_success(run_dir)
     return 0
+
+
+def _prepare_run_dir(plan) -> None:
+    """A new run gets a new directory; a resumed run must exist. The resolved config is written
+    as config.py; a resume with a different config keeps the old one beside it."""
+    from pimm.checkpoint.layout import candidates
+    from pimm.checkpoint.manager import CheckpointError
+    from pimm.config import config_hash, dump_config, load_config
+
+    run_dir = plan.run_dir
+    if plan.resume:
+        if not run_dir.is_dir():
+            raise LaunchError(
+                f"cannot resume: run directory {run_dir} does not exist; check --run.name and --paths.exp-root"
+            )
+        complete, incomplete = candidates(run_dir / "model")
+        incomplete = [p for p in incomplete if not p.name.startswith(".tmp-")]
+        if not complete and incomplete:
+            raise CheckpointError(f"Incomplete checkpoint directory {incomplete[0]}: no complete checkpoint to resume")
+        previous = run_dir / "config.py"
+        if previous.exists() and config_hash(load_config(previous)) != config_hash(plan.cfg):
+            kept = run_dir / f"config.before-{time.strftime('%Y%m%d-%H%M%S')}.py"
+            previous.replace(kept)
+            print(f"pimm: the config differs from the run's previous one (kept as {kept})", flush=True)
+    elif run_dir.exists():
+        raise LaunchError(
+            f"run directory {run_dir} already exists; resume it with --train.resume, or choose another --run.name"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(plan.cfg, run_dir / "config.py")
+
+
+def _last_outcome(run_dir: Path) -> str:
+    path = run_dir / "provenance.json"
+    try:
+        return json.loads(path.read_text())["attempts"][-1]["outcome"]
+    except (OSError, ValueError, KeyError, IndexError):
+        return "unknown"
+
+
+def _report_interrupted(plan, outcome: str) -> int:
+    from pimm.engine.signals import EXIT_CHECKPOINTED
+
+    print(f"\npimm: {outcome}; a complete checkpoint is in {plan.run_dir / 'model' / 'last'}", file=sys.stderr)
+    print(f"pimm: continue with: pimm launch --train.config {plan.config_name} --run.name {plan.run_dir.name} "
+          f"--paths.exp-root {plan.run_dir.parents[1]} --train.resume", file=sys.stderr)
+    return EXIT_CHECKPOINTED
 
 
 def _run_torchrun(argv: list[str]) -> int:

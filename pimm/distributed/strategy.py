@@ -19,7 +19,27 @@ from pimm.errors import ConfigError
 log = logging.getLogger("pimm")
 
 
-class SingleProcess:
+class Strategy:
+    """The interface: wrap the plain model, name the module evaluation calls, move full states."""
+
+    name = "base"
+
+    def wrap(self, model: nn.Module, env: DistEnv) -> nn.Module:
+        raise NotImplementedError
+
+    def eval_module(self, wrapped: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def full_model_state(self, wrapped: nn.Module) -> dict:
+        """The whole model's state_dict as the bare model names it (called on every rank)."""
+        return self.eval_module(wrapped).state_dict()
+
+    def load_full_model_state(self, wrapped: nn.Module, state: dict, strict: bool = True) -> None:
+        """Load a bare-model state_dict (called on every rank with the same state)."""
+        self.eval_module(wrapped).load_state_dict(state, strict=strict)
+
+
+class SingleProcess(Strategy):
     """World size one: the plain model, no wrapper."""
 
     name = "single"
@@ -31,7 +51,7 @@ class SingleProcess:
         return wrapped
 
 
-class DDP:
+class DDP(Strategy):
     """One process per device; gradients all-reduced by DistributedDataParallel."""
 
     name = "ddp"

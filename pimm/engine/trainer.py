@@ -13,13 +13,17 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pimm.checkpoint.layout import CheckpointError
+from pimm.checkpoint.manager import CheckpointManager
+from pimm.checkpoint.state import capture, restore
+from pimm.config import config_hash
 from pimm.data.collate import collate_events
 from pimm.data.dataset import build_dataset
 from pimm.data.sampler import GlobalBatchSampler, ShardedEvalSampler
@@ -30,8 +34,10 @@ from pimm.engine.logs import MetricsWriter
 from pimm.engine.metrics import SegmentationMeter
 from pimm.engine.optim import build_optimizer, build_scheduler
 from pimm.engine.plot import plot_metrics
+from pimm.engine.signals import StopRequest
 from pimm.errors import ConfigError, TrainingError
 from pimm.models import build_model
+from pimm.provenance import Provenance
 
 log = logging.getLogger("pimm")
 
@@ -55,6 +61,10 @@ def event_mean_loss(logits: torch.Tensor, target: torch.Tensor, offset: torch.Te
     return event_losses.mean(), event_losses
 
 
+class Interrupted(Exception):
+    """Training stopped on request (signal) after writing a complete checkpoint."""
+
+
 class Trainer:
     """Builds data, model, strategy and optimizer from a resolved config and runs epochs."""
 
@@ -73,9 +83,9 @@ class Trainer:
         )
         self.train_loader = self._loader(self.train_set, self.sampler)
         self.steps_per_epoch = self.sampler.steps_per_epoch
-        self.total_steps = self.steps_per_epoch * int(cfg["epochs"])
-        if cfg.get("max_steps"):
-            self.total_steps = min(self.total_steps, int(cfg["max_steps"]))
+        # the LR schedule always spans every epoch; max_steps only stops early (and resumes cleanly)
+        schedule_steps = self.steps_per_epoch * int(cfg["epochs"])
+        self.total_steps = min(schedule_steps, int(cfg["max_steps"])) if cfg.get("max_steps") else schedule_steps
 
         # identical initial weights on every rank and at every world size
         torch.manual_seed(self.seed)
@@ -83,7 +93,7 @@ class Trainer:
         self.strategy = build_strategy(cfg, env)
         self.module = self.strategy.wrap(self.model, env)
         self.optimizer = build_optimizer(cfg["optimizer"], self.module.parameters())
-        self.scheduler = build_scheduler(cfg.get("scheduler"), self.optimizer, self.total_steps)
+        self.scheduler = build_scheduler(cfg.get("scheduler"), self.optimizer, schedule_steps)
         self._seed_rank_streams()
 
         amp = cfg.get("amp") or {}
@@ -98,7 +108,17 @@ class Trainer:
             if cfg.get("log_event_ids")
             else None
         )
-        self._nonfinite_at = (cfg.get("debug") or {}).get("nonfinite_loss_at_step")
+        debug = cfg.get("debug") or {}
+        self._nonfinite_at = debug.get("nonfinite_loss_at_step")
+        self._interrupt_at = debug.get("interrupt_at_step")
+        self.checkpoints = CheckpointManager(
+            run_dir / "model", env.rank, env.world_size,
+            keep_last=int(cfg["checkpoint_keep_last"]), async_save=bool(cfg["checkpoint_async"]),
+            kill_during_save_at_step=debug.get("kill_during_checkpoint_at_step"),
+        )
+        self.checkpoint_every = cfg.get("checkpoint_every_n_steps")
+        self.stop = StopRequest()
+        self.provenance = Provenance(run_dir, env.is_main)
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -141,9 +161,30 @@ class Trainer:
 
     # -- loop ------------------------------------------------------------------------------
 
-    def fit(self) -> dict:
-        """Train to the end; returns the final validation metrics (empty without a val set)."""
+    def fit(self, resume: bool = False, weight: str | None = None) -> dict:
+        """Train to the end (resuming or warm-starting first); returns the final validation metrics.
+
+        Raises Interrupted after a stop request once a complete checkpoint is on disk."""
+        self.stop.install()
+        resumed_from, cursor = self._start(resume, weight)
         self.describe()
+        self.provenance.start(**self._provenance_facts(resumed_from, cursor))
+        try:
+            final = self._fit_loop()
+        except Interrupted:
+            self.provenance.end(f"interrupted by {self.stop.signal_name}", checkpoint_step=self.state.step)
+            raise
+        except TrainingError as exc:  # raised on every rank alike: let the write in flight finish
+            self.checkpoints.wait()
+            self.provenance.end("failed", error=str(exc)[:2000])
+            raise
+        except BaseException as exc:
+            self.provenance.end("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+            raise
+        self.provenance.end("completed", final_step=self.state.step, final_val=final)
+        return final
+
+    def _fit_loop(self) -> dict:
         epochs = int(self.cfg["epochs"])
         final: dict = {}
         while self.state.epoch < epochs and self.state.step < self.total_steps:
@@ -155,13 +196,92 @@ class Trainer:
             last = self.state.epoch >= epochs or self.state.step >= self.total_steps
             if self.val_set is not None and (last or self.state.epoch % int(self.cfg["eval_every_epochs"]) == 0):
                 final = self.evaluate()
-            self.save_weights(final)
+                self._save_best(final)
+            self.save_checkpoint()
+        self.checkpoints.wait()
         self.metrics.close()
         if self.env.is_main:
             plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plot.png")
             self._write_summary(final)
         barrier()
         return final
+
+    # -- start: fresh, warm start, or resume -----------------------------------------------
+
+    def _start(self, resume: bool, weight: str | None) -> tuple[str | None, str]:
+        """Returns (what the run started from, cursor outcome)."""
+        if weight:
+            from pimm.checkpoint.weights import load_weight_file
+
+            self.strategy.load_full_model_state(self.module, load_weight_file(weight))
+            log.info("warm start from weights %s (optimizer, schedule and data order start fresh)", weight)
+            return str(weight), "fresh"
+        if not resume:
+            return None, "fresh"
+        self.checkpoints.clean_stale_staging()
+        barrier()
+        found = self.checkpoints.resumable()
+        if not found:
+            log.warning("resume: no checkpoint in %s yet; starting from step 0", self.run_dir / "model")
+            return None, "fresh"
+        strict = bool(self.cfg.get("resume_strict_state", True))
+        problems = []
+        for ckpt in found:
+            try:
+                cursor = restore(self, ckpt, strict)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+                log.error("%s", exc)
+                if ckpt is not found[-1]:
+                    log.warning("falling back to the next older complete checkpoint")
+                continue
+            log.info(
+                "resumed from %s (step %d, epoch %d, %d events into the epoch; cursor %s)",
+                ckpt.path, self.state.step, self.state.epoch + 1, self.state.samples_in_epoch, cursor,
+            )
+            self._truncate_logs_after(self.state.step)
+            self.checkpoints.last_saved_step = self.state.step
+            return str(ckpt.path), cursor
+        raise CheckpointError("no usable checkpoint: " + " | ".join(problems))
+
+    def _truncate_logs_after(self, step: int) -> None:
+        """Drop records of steps after the checkpoint (they are redone), so logs read as one run."""
+        if self.env.is_main:
+            paths = [self.run_dir / "metrics.jsonl", *sorted((self.run_dir / "logs").glob("event_ids_rank*.jsonl"))]
+            for path in paths:
+                if path.exists():
+                    keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+                    path.write_text("".join(ln + "\n" for ln in keep))
+        barrier()
+
+    def _provenance_facts(self, resumed_from: str | None, cursor: str) -> dict:
+        from pimm.data.dataset import validate_event_file
+
+        data = {}
+        for split in ("train", "val"):
+            if self.cfg["data"].get(split):
+                info = validate_event_file(self.cfg["data"][split]["path"])
+                data[split] = {k: info[k] for k in ("path", "size_bytes", "num_events", "content_hash")}
+        facts = {
+            "device_type": self.env.device.type,
+            "world_size": self.env.world_size,
+            "nodes": self.env.world_size // self.env.local_world_size,
+            "processes_per_node": self.env.local_world_size,
+            "workers_per_rank": self.plan.workers_per_rank,
+            "global_batch_size": self.plan.global_batch_size,
+            "strategy": self.strategy.name,
+            "config_hash": config_hash(self.cfg),
+            "data": data,
+            "resumed_from": resumed_from,
+            "start_step": self.state.step,
+            "cursor": cursor,
+        }
+        if cursor == "epoch_restarted":
+            facts["replay_warning"] = (
+                f"the data cursor could not be mapped: epoch {self.state.epoch + 1} restarted, so events of that "
+                "epoch consumed before the checkpoint may be seen twice"
+            )
+        return facts
 
     def _train_epoch(self) -> None:
         self.module.train()
@@ -182,6 +302,17 @@ class Trainer:
                 self._log_train(window_loss, time.perf_counter() - window_start, progress)
                 window_loss.zero_()
                 window_start = time.perf_counter()
+            if self.checkpoint_every and self.state.step % int(self.checkpoint_every) == 0:
+                self.save_checkpoint()
+            if self._interrupt_at == self.state.step:
+                self.stop.request("debug.interrupt_at_step")
+            if self.stop.agreed(self.env.device):
+                if progress is not None:
+                    progress.close()
+                log.warning("stop requested (%s): writing a checkpoint at step %d", self.stop.signal_name,
+                            self.state.step)
+                self.save_checkpoint(blocking=True)
+                raise Interrupted(self.stop.signal_name)
             if self.state.step >= self.total_steps:
                 break
         if progress is not None:
@@ -288,20 +419,31 @@ class Trainer:
         self.metrics.write({"kind": "val", "step": self.state.step, "epoch": self.state.epoch, **result})
         return result
 
-    # -- weights ---------------------------------------------------------------------------
+    # -- checkpoints -----------------------------------------------------------------------
 
-    def save_weights(self, metrics: dict) -> None:
-        """Rank 0 writes model/last/weights.pth atomically, and model_best.pth when mIoU improves."""
-        state = self.strategy.eval_module(self.module).state_dict()
-        if not self.env.is_main:
+    def save_checkpoint(self, blocking: bool = False) -> None:
+        """Checkpoint the current step (all ranks); blocks only for the CPU copy unless `blocking`."""
+        if self.checkpoints.last_saved_step == self.state.step:
             return
-        from pimm.checkpoint.weights import save_best_weights, save_last_weights
+        model_state, dcp_state = capture(self)
+        self.checkpoints.save(self.state.step, model_state, dcp_state, blocking=blocking)
+        if blocking:
+            self.checkpoints.wait()
+        if self.env.is_main and self.cfg.get("save_iter_snapshots"):
+            from pimm.checkpoint.weights import save_weight_file
 
-        save_last_weights(self.run_dir / "model", state, asdict(self.state))
+            save_weight_file(model_state, self.run_dir / "model" / f"iter_{self.state.step}.pth")
+
+    def _save_best(self, metrics: dict) -> None:
         miou = metrics.get("miou")
-        if miou is not None and not math.isnan(miou) and miou > self.state.best_metric:
-            self.state.best_metric = miou
-            save_best_weights(self.run_dir / "model", state)
+        if miou is None or math.isnan(miou) or miou <= self.state.best_metric:
+            return
+        self.state.best_metric = miou
+        state = self.strategy.full_model_state(self.module)
+        if self.env.is_main:
+            from pimm.checkpoint.weights import save_weight_file
+
+            save_weight_file(state, self.run_dir / "model" / "model_best.pth")
 
     def _write_summary(self, final: dict) -> None:
         summary = {

@@ -26,6 +26,8 @@ def _write_error(run_dir: Path, rank: int, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pimm.engine.worker")
     parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint")
+    parser.add_argument("--weight", help="warm start from these weights")
     args = parser.parse_args(argv)
     run_dir: Path = args.run_dir
     rank = int(os.environ.get("RANK", 0))
@@ -33,16 +35,24 @@ def main(argv: list[str] | None = None) -> int:
     from pimm.engine.logs import setup_logging
 
     log = setup_logging(run_dir / "logs", rank)
-    env = None
     try:
         from pimm.config import load_config
         from pimm.distributed.env import destroy_distributed, init_distributed
-        from pimm.engine.trainer import Trainer, check_config
+        from pimm.engine.signals import EXIT_CHECKPOINTED
+        from pimm.engine.trainer import Interrupted, Trainer, check_config
 
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        log.info("rank %d pid %d (torchrun restart %d)", rank, os.getpid(), restart)
         cfg = load_config(run_dir / "config.py")
         check_config(cfg)
         env = init_distributed()
-        Trainer(cfg, run_dir, env).fit()
+        trainer = Trainer(cfg, run_dir, env)
+        # after a torchrun restart, continue from the last complete checkpoint of this run
+        try:
+            trainer.fit(resume=args.resume or restart > 0, weight=None if restart else args.weight)
+        except Interrupted:
+            destroy_distributed()
+            return EXIT_CHECKPOINTED
         destroy_distributed()
         return 0
     except PimmError as exc:

@@ -29,6 +29,8 @@ class LaunchPlan:
     node_rank: int | None = None
     max_restarts: int = 0
     overrides: list[str] = field(default_factory=list)
+    resume: bool = False
+    weight: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -52,6 +54,10 @@ class LaunchPlan:
         argv += ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc_per_node)]
         argv += ["--max-restarts", str(self.max_restarts)]
         argv += ["-m", "pimm.engine.worker", "--run-dir", str(self.run_dir)]
+        if self.resume:
+            argv.append("--resume")
+        if self.weight:
+            argv += ["--weight", str(self.weight)]
         return argv
 
     def describe(self) -> str:
@@ -118,6 +124,8 @@ def make_plan(
     node_rank: int | None = None,
     max_restarts: int = 0,
     overrides: list[str] | None = None,
+    resume: bool = False,
+    weight: str | None = None,
 ) -> LaunchPlan:
     """Check the resources against the machine and the config; raise before anything starts."""
     if nnodes < 1:
@@ -127,6 +135,9 @@ def make_plan(
             f"--resources.nnodes {nnodes} needs --resources.rdzv-endpoint HOST:PORT (a host every node "
             "reaches), or use `pimm submit` to run under Slurm"
         )
+    if resume and weight:
+        raise LaunchError("--train.resume and --train.weight exclude each other: resume continues a run, "
+                          "weight starts a new one from weights only")
     if max_restarts < 0:
         raise LaunchError(f"--resources.max-restarts must be >= 0, got {max_restarts}")
     gpus = visible_gpus()
@@ -145,4 +156,6 @@ def make_plan(
         node_rank=node_rank,
         max_restarts=max_restarts,
         overrides=list(overrides or []),
+        resume=resume,
+        weight=weight,
     )

@@ -1,0 +1,104 @@
+"""The on-disk layout of checkpoints and how a complete one is recognised.
+
+    <run>/model/last/          weights.pth  trainer.dcp/  .complete   (newest)
+    <run>/model/step_<N>/      older complete checkpoints (keep_last in all)
+    <run>/model/.tmp-step_<N>/ a checkpoint being written (never resumed from)
+    <run>/model/model_best.pth, iter_<step>.pth
+
+`.complete` is written last and holds a manifest: the step and the size and sha256 of
+weights.pth and of every file in trainer.dcp/, so truncation or corruption is found before loading.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pimm.errors import PimmError
+
+WEIGHTS = "weights.pth"
+TRAINER = "trainer.dcp"
+COMPLETE = ".complete"
+LAST = "last"
+STAGING_PREFIX = ".tmp-"
+
+
+class CheckpointError(PimmError):
+    """A checkpoint cannot be used; the message names the directory or file."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(ckpt_dir: Path) -> list[Path]:
+    return [ckpt_dir / WEIGHTS, *sorted((ckpt_dir / TRAINER).iterdir())]
+
+
+def write_manifest(ckpt_dir: Path, step: int) -> None:
+    """Write `.complete` (the last file of a checkpoint)."""
+    files = {str(p.relative_to(ckpt_dir)): [p.stat().st_size, sha256_file(p)] for p in _files(ckpt_dir)}
+    tmp = ckpt_dir / (COMPLETE + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
+    tmp.replace(ckpt_dir / COMPLETE)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+
+
+def read_manifest(ckpt_dir: Path) -> dict:
+    """The manifest of a complete checkpoint; CheckpointError('Incomplete checkpoint directory ...')."""
+    if not (ckpt_dir / COMPLETE).is_file():
+        raise CheckpointError(
+            f"Incomplete checkpoint directory {ckpt_dir}: no {COMPLETE} marker (the write never finished)"
+        )
+    for name in (WEIGHTS, TRAINER):
+        if not (ckpt_dir / name).exists():
+            raise CheckpointError(f"Incomplete checkpoint directory {ckpt_dir}: {name} is missing")
+    try:
+        return json.loads((ckpt_dir / COMPLETE).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"Incomplete checkpoint directory {ckpt_dir}: unreadable {COMPLETE} ({exc})") from exc
+
+
+def verify(ckpt_dir: Path, rank: int = 0, world_size: int = 1) -> dict:
+    """Check files against the manifest (rank r checks every world_size-th file, so the ranks share
+    the reading); CheckpointError names the first bad file."""
+    manifest = read_manifest(ckpt_dir)
+    for i, (name, (size, digest)) in enumerate(sorted(manifest["files"].items())):
+        if i % world_size != rank:
+            continue
+        path = ckpt_dir / name
+        if not path.is_file() or path.stat().st_size != size:
+            seen = f"{path.stat().st_size} bytes" if path.is_file() else "no file"
+            raise CheckpointError(f"corrupt checkpoint file {path}: expected {size} bytes, found {seen}")
+        if sha256_file(path) != digest:
+            raise CheckpointError(f"corrupt checkpoint file {path}: its sha256 does not match {ckpt_dir / COMPLETE}")
+    return manifest
+
+
+def candidates(model_dir: Path) -> tuple[list[Checkpoint], list[Path]]:
+    """(complete checkpoints newest first, incomplete checkpoint directories) under `model_dir`."""
+    complete: list[Checkpoint] = []
+    incomplete: list[Path] = []
+    if not model_dir.is_dir():
+        return complete, incomplete
+    for path in model_dir.iterdir():
+        if not path.is_dir() or not (path.name == LAST or path.name.startswith(("step_", STAGING_PREFIX))):
+            continue
+        try:
+            complete.append(Checkpoint(path, int(read_manifest(path)["step"])))
+        except CheckpointError:
+            incomplete.append(path)
+    # `last` first among equal steps: it is the canonical name
+    complete.sort(key=lambda c: (c.step, c.path.name == LAST), reverse=True)
+    return complete, sorted(incomplete)

@@ -1,0 +1,47 @@
+"""Stop requests: SIGTERM / SIGUSR1 (what Slurm sends before a time limit) ask every rank to
+finish its step, write a complete checkpoint and exit with EXIT_CHECKPOINTED. A second signal
+more than GRACE_S later exits at once (a signal that torchrun forwards right after the
+original one reaches a worker counts as the same request)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from pimm.distributed.env import all_reduce_max
+
+EXIT_CHECKPOINTED = 75  # stopped by a signal after writing a complete checkpoint: resume it
+EXIT_SECOND_SIGNAL = 76  # a second signal: exited at once, the last complete checkpoint is intact
+GRACE_S = 2.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """Set by a signal on any rank; `agreed()` makes all ranks stop after the same step."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._first_at = 0.0
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame) -> None:
+        now = time.monotonic()
+        if self.signal_name is not None and now - self._first_at > GRACE_S:
+            os._exit(EXIT_SECOND_SIGNAL)
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+            self._first_at = now
+
+    def request(self, reason: str) -> None:
+        self.signal_name = self.signal_name or reason
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank when any rank has a request (one tiny all-reduce per step)."""
+        flag = torch.tensor([1.0 if self.signal_name else 0.0], device=device)
+        return bool(all_reduce_max(flag).item())

@@ -1,0 +1,45 @@
+"""The throughput benchmark runs end to end (tiny settings, world size 1). No speed is asserted:
+timings on a shared machine are noise at this size; this only proves `make bench` works."""
+
+import json
+import math
+import subprocess
+import sys
+
+from conftest import REPO
+
+FIELDS = ("pimm_events_per_s", "hand_events_per_s", "ratio", "ratio_per_point", "pimm_events_per_s_windows",
+          "loader_events_per_s_per_rank", "consumption_events_per_s_per_rank", "loader_headroom")
+
+
+def test_throughput_benchmark_runs_and_reports_every_field(tmp_path, tiny_data):
+    out = tmp_path / "bench.json"
+    argv = [
+        sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--config", "tests/tiny_semseg",
+        "--data", str(tiny_data["train"]), "--set", "model.channels=8", "--steps", "6", "--warmup", "2",
+        "--log-every", "2", "--repeats", "1", "--world-sizes", "1", "--loader-batches", "8", "--out", str(out),
+    ]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the benchmark kills the run it has in progress on SIGTERM
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        raise AssertionError(f"benchmark timed out\n{stdout}\n{stderr}") from None
+    assert proc.returncode == 0, stdout + stderr
+    for column in ("world size", "pimm events/s", "hand-written events/s", "ratio pimm/hand",
+                   "loader events/s per rank", "consumption events/s per rank", "loader headroom"):
+        assert column in stdout, column
+
+    result = json.loads(out.read_text())
+    assert result["settings"]["steps"] == 6 and result["settings"]["overrides"] == ["model.channels=8"]
+    (row,) = result["results"]
+    assert row["world_size"] == 1 and row["per_rank_batch"] == row["global_batch"] == 4
+    for field in FIELDS:
+        assert isinstance(row[field], float) and math.isfinite(row[field]) and row[field] > 0, (field, row[field])
+    assert len(row["runs"]["pimm"]) == len(row["runs"]["hand"]) == 1
+    assert row["runs"]["hand"][0]["steps"] == 6 and row["runs"]["hand"][0]["warmup"] == 2
