@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import resource
 import shlex
 import signal
 import statistics
@@ -148,6 +149,43 @@ def run(argv: list[str], env: dict[str, str], log_path: Path, timeout: float) ->
         tail = "\n".join(text.splitlines()[-30:])
         raise BenchError(f"exit status {code}: {shlex.join(argv)}\n--- last lines of {log_path} ---\n{tail}")
     return text
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds all processes on the machine have used since boot (Linux /proc/stat), else None."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    # user nice system idle iowait irq softirq steal ...: everything but idle and iowait
+    busy = sum(fields[:3]) + sum(fields[5:8])
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and of its finished descendants (runs, their ranks and loader workers)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class OtherLoad:
+    """Cores used on average by processes other than the benchmark's own while a run lasts.
+
+    A noise indicator for shared machines: anything well above 0 means the run competed with
+    someone else's work for the CPUs.
+    """
+
+    def __enter__(self) -> OtherLoad:
+        self.cores: float | None = None
+        self._start = (time.perf_counter(), _machine_busy_s(), _own_cpu_s())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        t0, busy0, own0 = self._start
+        busy1, own1, wall = _machine_busy_s(), _own_cpu_s(), time.perf_counter() - t0
+        if busy0 is not None and busy1 is not None and wall > 0:
+            self.cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
 
 
 def last_json_line(text: str) -> dict:
@@ -361,15 +399,17 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(args.repeats):
                 for impl in ("pimm", "hand"):
                     t = time.perf_counter()
-                    if impl == "pimm":
-                        res = run_pimm(args, world, rep, tmp, epochs)
-                        pimm_runs.append(res)
-                    else:
-                        res = run_hand(args, world, rep, tmp)
-                        hand_runs.append(res)
+                    with OtherLoad() as other:
+                        if impl == "pimm":
+                            res = run_pimm(args, world, rep, tmp, epochs)
+                        else:
+                            res = run_hand(args, world, rep, tmp)
+                    res["other_load_cores"] = other.cores
+                    (pimm_runs if impl == "pimm" else hand_runs).append(res)
                     print(f"  world {world} repeat {rep + 1}/{args.repeats} {impl:>4}: "
                           f"{res['events_per_s']:7.1f} events/s over {res['seconds']:.2f}s "
-                          f"(run took {time.perf_counter() - t:.1f}s)", flush=True)
+                          f"(run took {time.perf_counter() - t:.1f}s; other processes used "
+                          f"{fmt(other.cores, 2)} cores)", flush=True)
             loader = run_loader(args, world, tmp)
             print(f"  world {world} loader: {loader['events_per_s_per_rank']:.1f} events/s per rank "
                   f"({plan.workers_per_rank} workers/rank)", flush=True)
@@ -393,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
                 "consumption_events_per_s_per_rank": consumption,
                 "loader_headroom": loader["events_per_s_per_rank"] / consumption,
                 "meets_target": ratio >= TARGET_RATIO,
+                "pimm_runs_events_per_s": [r["events_per_s"] for r in pimm_runs],
+                "hand_runs_events_per_s": [r["events_per_s"] for r in hand_runs],
+                "max_other_load_cores": max((r["other_load_cores"] or 0.0) for r in pimm_runs + hand_runs),
                 "runs": {"pimm": pimm_runs, "hand": hand_runs, "loader": loader},
             })
     except BenchError as exc:
@@ -407,8 +450,13 @@ def main(argv: list[str] | None = None) -> int:
         status = "met" if r["meets_target"] else "NOT met"
         pts = r["mean_points_per_event"]
         print(f"world {r['world_size']}: ratio {r['ratio']:.3f} (target >= {TARGET_RATIO}: {status}); "
+              f"runs pimm [{', '.join(fmt(v) for v in r['pimm_runs_events_per_s'])}] "
+              f"hand [{', '.join(fmt(v) for v in r['hand_runs_events_per_s'])}]; "
               f"mean points/event measured: pimm {pts['pimm']:.0f}, hand {pts['hand']:.0f}; "
               f"loader headroom {r['loader_headroom']:.1f}x" + ("" if r["loader_headroom"] > 1 else " (BOTTLENECK)"))
+        if r["max_other_load_cores"] > 0.25:
+            print(f"  warning: other processes used up to {r['max_other_load_cores']:.2f} cores during these runs; "
+                  "the machine was shared and the numbers are noisy (rerun when it is quiet, or raise --repeats)")
     print("pimm events/s: wall clock between rank 0's progress lines at steps "
           f"{args.warmup} and {args.steps}; 'own windows': pimm's metrics.jsonl rate (logging time left out). "
           "Medians over repeats.")

@@ -81,7 +81,6 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_weights(t
     assert res.returncode != 0
     assert "non-finite loss at step 14" in res.stderr
     assert "rank 0 failed" in res.stderr and "rank 1 failed" in res.stderr
-    state = json.loads((run_dir / "model/last/state.json").read_text())
-    assert state["step"] == 12 and (run_dir / "model/last/.complete").exists()
+    assert json.loads((run_dir / "model/last/.complete").read_text())["step"] == 12
     weights = torch.load(run_dir / "model/last/weights.pth", weights_only=True)
     assert all(torch.isfinite(t).all() for t in weights.values())

@@ -17,6 +17,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -36,6 +37,8 @@ from pimm.checkpoint.layout import (
 )
 
 log = logging.getLogger("pimm")
+# single-process runs save without a process group on purpose
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def clone_to_cpu(tree):

@@ -383,7 +383,10 @@ class Trainer:
         )
 
     def _record_event_ids(self, batch: dict) -> None:
-        record = {"step": self.state.step + 1, "epoch": self.state.epoch, "event_ids": batch["event_id"].tolist()}
+        record = {
+            "step": self.state.step + 1, "epoch": self.state.epoch, "rank": self.env.rank,
+            "world_size": self.env.world_size, "event_ids": batch["event_id"].tolist(),
+        }
         self.event_log.write(json.dumps(record) + "\n")
         self.event_log.flush()
 

