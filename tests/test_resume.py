@@ -1,6 +1,7 @@
 """Checkpoints and resume through `pimm launch` (torchrun, gloo, CPU): exactness, topology
 changes, signals, and faults that must lose nothing."""
 
+import contextlib
 import json
 import os
 import signal
@@ -11,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, run_pimm
 
 TINY = "tests/tiny_semseg"  # 48 train events / batch 4 = 12 steps per epoch
@@ -52,8 +52,8 @@ def attempts(run_dir: Path) -> list[dict]:
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), key
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_interrupted_and_resumed_three_times_in_one_epoch_is_bit_exact(tmp_path,
     for stop_at in (3, 6, 9):
         res, run_dir = launch(tmp_path, tiny_data, 2, f"debug.interrupt_at_step={stop_at}", resume=stop_at > 3)
         assert res.returncode == 75, res.stderr
-        assert f"interrupted by debug.interrupt_at_step" in res.stderr
+        assert "interrupted by debug.interrupt_at_step" in res.stderr
     res, run_dir = launch(tmp_path, tiny_data, 2, resume=True)
     assert res.returncode == 0, res.stderr
     assert steps(run_dir) == steps(reference)
@@ -112,9 +112,9 @@ def test_unmappable_cursor_restarts_the_epoch_with_a_replay_warning(tmp_path, ti
     assert "may be seen twice" in res.stderr
     resumed = attempts(run_dir)[-1]
     assert resumed["cursor"] == "epoch_restarted" and "seen twice" in resumed["replay_warning"]
-    assert steps(run_dir)[6][0] in steps(run_dir)[1] + steps(run_dir)[2] + steps(run_dir)[3] + steps(run_dir)[4] + \
-        steps(run_dir)[5] or True  # the restarted epoch's order begins again (events may repeat)
-    assert min(s for s in steps(run_dir) if s > 5) == 6
+    # the saved epoch began again: step 6 took the first global batch of that epoch's order
+    if change == "resume_strict_state=false":  # same order, same batch: step 6 repeats step 1
+        assert steps(run_dir)[6] == steps(run_dir)[1]
 
 
 def test_sigterm_checkpoints_and_exits_with_75_then_resume_finishes(tmp_path, tiny_data):
@@ -152,7 +152,8 @@ def test_second_signal_exits_at_once():
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1)  # within the grace window: same request\n"
         "time.sleep(2.2); os.kill(os.getpid(), signal.SIGUSR1); time.sleep(5)\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         check=False)
     assert res.returncode == 76, res.stderr
 
 
@@ -267,8 +268,6 @@ def _pid_of(log: Path) -> str:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()

@@ -121,8 +121,10 @@ def run(args: argparse.Namespace) -> int:
     (run_dir / "launch.json").write_text(json.dumps(launch_record, indent=2))
     print(plan.describe(), flush=True)
     shutil.rmtree(run_dir / "errors", ignore_errors=True)  # errors of an earlier attempt
+    attempts_before = len(_attempts(run_dir))
     returncode = _run_torchrun(plan.torchrun_argv())
-    outcome = _last_outcome(run_dir)
+    attempts = _attempts(run_dir)[attempts_before:]
+    outcome = attempts[-1].get("outcome", "unknown") if attempts else "unknown"
     if outcome.startswith("interrupted"):
         return _report_interrupted(plan, outcome)
     if returncode != 0:
@@ -162,12 +164,11 @@ def _prepare_run_dir(plan) -> None:
     dump_config(plan.cfg, run_dir / "config.py")
 
 
-def _last_outcome(run_dir: Path) -> str:
-    path = run_dir / "provenance.json"
+def _attempts(run_dir: Path) -> list[dict]:
     try:
-        return json.loads(path.read_text())["attempts"][-1]["outcome"]
-    except (OSError, ValueError, KeyError, IndexError):
-        return "unknown"
+        return json.loads((run_dir / "provenance.json").read_text())["attempts"]
+    except (OSError, ValueError, KeyError):
+        return []
 
 
 def _report_interrupted(plan, outcome: str) -> int:

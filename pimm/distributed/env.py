@@ -47,12 +47,27 @@ def init_distributed(timeout_s: float = 600.0) -> DistEnv:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
+            store=_attempt_store(timeout),
+            rank=rank,
+            world_size=world_size,
         )
     return DistEnv(rank, local_rank, world_size, local_world_size, node_rank, device)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun the agent's store outlives a restart, and the new workers would read the
+    dead workers' gloo addresses from it: give every restart a key space of its own."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # plain env:// initialisation
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"pimm/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -166,10 +166,11 @@ class Trainer:
 
         Raises Interrupted after a stop request once a complete checkpoint is on disk."""
         self.stop.install()
-        resumed_from, cursor = self._start(resume, weight)
-        self.describe()
-        self.provenance.start(**self._provenance_facts(resumed_from, cursor))
+        self.provenance.start(**self._provenance_facts())
         try:
+            resumed_from, cursor = self._start(resume, weight)
+            self.provenance.update(**self._start_facts(resumed_from, cursor))
+            self.describe()
             final = self._fit_loop()
         except Interrupted:
             self.provenance.end(f"interrupted by {self.stop.signal_name}", checkpoint_step=self.state.step)
@@ -254,15 +255,13 @@ class Trainer:
                     path.write_text("".join(ln + "\n" for ln in keep))
         barrier()
 
-    def _provenance_facts(self, resumed_from: str | None, cursor: str) -> dict:
-        from pimm.data.dataset import validate_event_file
-
-        data = {}
-        for split in ("train", "val"):
-            if self.cfg["data"].get(split):
-                info = validate_event_file(self.cfg["data"][split]["path"])
-                data[split] = {k: info[k] for k in ("path", "size_bytes", "num_events", "content_hash")}
-        facts = {
+    def _provenance_facts(self) -> dict:
+        data = {
+            split: {k: dataset.info[k] for k in ("path", "size_bytes", "num_events", "content_hash")}
+            for split, dataset in (("train", self.train_set), ("val", self.val_set))
+            if dataset is not None
+        }
+        return {
             "device_type": self.env.device.type,
             "world_size": self.env.world_size,
             "nodes": self.env.world_size // self.env.local_world_size,
@@ -272,10 +271,10 @@ class Trainer:
             "strategy": self.strategy.name,
             "config_hash": config_hash(self.cfg),
             "data": data,
-            "resumed_from": resumed_from,
-            "start_step": self.state.step,
-            "cursor": cursor,
         }
+
+    def _start_facts(self, resumed_from: str | None, cursor: str) -> dict:
+        facts = {"resumed_from": resumed_from, "start_step": self.state.step, "cursor": cursor}
         if cursor == "epoch_restarted":
             facts["replay_warning"] = (
                 f"the data cursor could not be mapped: epoch {self.state.epoch + 1} restarted, so events of that "
@@ -426,16 +425,15 @@ class Trainer:
 
     def save_checkpoint(self, blocking: bool = False) -> None:
         """Checkpoint the current step (all ranks); blocks only for the CPU copy unless `blocking`."""
-        if self.checkpoints.last_saved_step == self.state.step:
-            return
-        model_state, dcp_state = capture(self)
-        self.checkpoints.save(self.state.step, model_state, dcp_state, blocking=blocking)
-        if blocking:
-            self.checkpoints.wait()
-        if self.env.is_main and self.cfg.get("save_iter_snapshots"):
-            from pimm.checkpoint.weights import save_weight_file
+        if self.checkpoints.last_saved_step != self.state.step:
+            model_state, dcp_state = capture(self)
+            self.checkpoints.save(self.state.step, model_state, dcp_state, blocking=blocking)
+            if self.env.is_main and self.cfg.get("save_iter_snapshots"):
+                from pimm.checkpoint.weights import save_weight_file
 
-            save_weight_file(model_state, self.run_dir / "model" / f"iter_{self.state.step}.pth")
+                save_weight_file(model_state, self.run_dir / "model" / f"iter_{self.state.step}.pth")
+        if blocking:
+            self.checkpoints.wait()  # also a write of this step that is still in flight
 
     def _save_best(self, metrics: dict) -> None:
         miou = metrics.get("miou")
