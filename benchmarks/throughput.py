@@ -1,6 +1,7 @@
 """Training throughput of pimm against a hand-written DDP loop, and the data path's headroom.
 
-For each world size (CPU, gloo, torchrun) this runs, alternately, `repeats` times each:
+For each world size (CPU, gloo, torchrun) this runs `repeats` times each, alternating in ABBA
+order (pimm, hand, hand, pimm, ...), and reports the medians:
 
 * pimm:  `python -m pimm launch --train.config CONFIG --resources.nproc-per-node N -- max_steps=S
   log_every=L data.val=null data.train.path=DATA ...` (no evaluation);
@@ -13,6 +14,8 @@ same time). Both trainers are measured over the same steps: the wall clock from 
 clock comes from the timestamps of rank 0's progress lines (logs/rank0.log), which are written
 at the end of steps warmup, warmup + L, ..., steps; the rate pimm itself records in
 metrics.jsonl (its log windows, which leave out the time spent logging) is reported beside it.
+Each run also reports how many cores other processes used meanwhile (from /proc/stat): on a
+shared machine that is the first thing to look at when pimm and the hand-written loop disagree.
 
     .venv/bin/python benchmarks/throughput.py [--steps 120 --warmup 20 --repeats 2 --world-sizes 1,2]
                                               [--out results.json]
@@ -65,13 +68,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="steps left out of the measurement (default 20)")
     p.add_argument("--log-every", type=int, default=10,
                    help="pimm's log_every; --warmup and --steps must be multiples of it (default 10)")
-    p.add_argument("--repeats", type=int, default=2, help="runs of each trainer per world size (default 2)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs of each trainer per world size, in ABBA order (default 2)")
     p.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes (default 1,2)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (default 1)")
     p.add_argument("--loader-batches", type=int, default=100, help="batches per rank of the loader run (default 100)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to both trainers and the loader (repeatable), "
                    "e.g. --set model.channels=16")
+    p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
+                   help="before each run, wait up to this long for other processes to use < 0.25 cores (default 0)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before one run is killed (default 900)")
     p.add_argument("--out", type=Path, help="also write the results as JSON to this file")
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed) instead of deleting them")
@@ -186,6 +192,16 @@ class OtherLoad:
         busy1, own1, wall = _machine_busy_s(), _own_cpu_s(), time.perf_counter() - t0
         if busy0 is not None and busy1 is not None and wall > 0:
             self.cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+
+
+def wait_until_quiet(limit_s: float, threshold: float = 0.25, probe_s: float = 2.0) -> float | None:
+    """Wait (at most `limit_s`) until other processes use under `threshold` cores; returns the last probe."""
+    deadline = time.perf_counter() + limit_s
+    while True:
+        with OtherLoad() as other:
+            time.sleep(probe_s)
+        if other.cores is None or other.cores < threshold or time.perf_counter() >= deadline:
+            return other.cores
 
 
 def last_json_line(text: str) -> dict:
@@ -397,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
                       "epoch boundaries fall inside the measurement", flush=True)
             pimm_runs, hand_runs = [], []
             for rep in range(args.repeats):
-                for impl in ("pimm", "hand"):
+                # ABBA order (pimm, hand, hand, pimm, ...): a drift in machine speed favours neither side
+                for impl in ("pimm", "hand") if rep % 2 == 0 else ("hand", "pimm"):
+                    if args.wait_quiet > 0:
+                        wait_until_quiet(args.wait_quiet)
                     t = time.perf_counter()
                     with OtherLoad() as other:
                         if impl == "pimm":
@@ -405,11 +424,14 @@ def main(argv: list[str] | None = None) -> int:
                         else:
                             res = run_hand(args, world, rep, tmp)
                     res["other_load_cores"] = other.cores
+                    res["run_seconds"] = time.perf_counter() - t
                     (pimm_runs if impl == "pimm" else hand_runs).append(res)
                     print(f"  world {world} repeat {rep + 1}/{args.repeats} {impl:>4}: "
                           f"{res['events_per_s']:7.1f} events/s over {res['seconds']:.2f}s "
-                          f"(run took {time.perf_counter() - t:.1f}s; other processes used "
+                          f"(run took {res['run_seconds']:.1f}s; other processes used "
                           f"{fmt(other.cores, 2)} cores)", flush=True)
+            if args.wait_quiet > 0:
+                wait_until_quiet(args.wait_quiet)
             loader = run_loader(args, world, tmp)
             print(f"  world {world} loader: {loader['events_per_s_per_rank']:.1f} events/s per rank "
                   f"({plan.workers_per_rank} workers/rank)", flush=True)
@@ -456,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
               f"loader headroom {r['loader_headroom']:.1f}x" + ("" if r["loader_headroom"] > 1 else " (BOTTLENECK)"))
         if r["max_other_load_cores"] > 0.25:
             print(f"  warning: other processes used up to {r['max_other_load_cores']:.2f} cores during these runs; "
-                  "the machine was shared and the numbers are noisy (rerun when it is quiet, or raise --repeats)")
+                  "the machine was shared and the numbers are noisy (rerun with --wait-quiet 120, or raise --repeats)")
     print("pimm events/s: wall clock between rank 0's progress lines at steps "
           f"{args.warmup} and {args.steps}; 'own windows': pimm's metrics.jsonl rate (logging time left out). "
           "Medians over repeats.")
@@ -468,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": args.config, "data": str(args.data), "num_events": num_events, "steps": args.steps,
             "warmup": args.warmup, "log_every": args.log_every, "repeats": args.repeats,
             "world_sizes": args.world_sizes, "omp_num_threads": args.threads, "overrides": args.overrides,
-            "loader_batches": args.loader_batches, "target_ratio": TARGET_RATIO,
+            "loader_batches": args.loader_batches, "target_ratio": TARGET_RATIO, "wait_quiet_s": args.wait_quiet,
         },
         "results": rows,
         "elapsed_s": elapsed,

@@ -133,8 +133,9 @@ class CheckpointManager:
         last = self.model_dir / LAST
         if last.exists():
             try:
-                old_step = int(read_manifest(last)["step"])
-                os.replace(last, self.model_dir / f"step_{old_step:08d}")
+                older = self.model_dir / f"step_{int(read_manifest(last)['step']):08d}"
+                shutil.rmtree(older, ignore_errors=True)  # a superseded copy of the same step
+                os.replace(last, older)
             except CheckpointError:
                 shutil.rmtree(last)
         os.replace(staging, last)
@@ -144,6 +145,15 @@ class CheckpointManager:
         log.info("checkpoint of step %d complete: %s", step, last)
 
     # -- resuming --------------------------------------------------------------------------
+
+    def set_aside(self, bad: list[Path]) -> None:
+        """Rank 0 renames unusable checkpoints to corrupt-<name> (kept for inspection, never resumed)."""
+        if self.rank != 0:
+            return
+        for path in bad:
+            target = self.model_dir / f"corrupt-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.replace(path, target)
+            log.warning("unusable checkpoint %s moved to %s", path, target)
 
     def resumable(self) -> list[Checkpoint]:
         """Complete checkpoints, newest first; CheckpointError when only incomplete ones exist."""

@@ -227,11 +227,13 @@ class Trainer:
             return None, "fresh"
         strict = bool(self.cfg.get("resume_strict_state", True))
         problems = []
+        bad = []
         for ckpt in found:
             try:
                 cursor = restore(self, ckpt, strict)
             except CheckpointError as exc:
                 problems.append(str(exc))
+                bad.append(ckpt.path)
                 log.error("%s", exc)
                 if ckpt is not found[-1]:
                     log.warning("falling back to the next older complete checkpoint")
@@ -240,7 +242,8 @@ class Trainer:
                 "resumed from %s (step %d, epoch %d, %d events into the epoch; cursor %s)",
                 ckpt.path, self.state.step, self.state.epoch + 1, self.state.samples_in_epoch, cursor,
             )
-            self._truncate_logs_after(self.state.step)
+            self.checkpoints.set_aside(bad)
+            self._truncate_logs_after(self.state.step)  # ends with a barrier
             self.checkpoints.last_saved_step = self.state.step
             return str(ckpt.path), cursor
         raise CheckpointError("no usable checkpoint: " + " | ".join(problems))
