@@ -59,7 +59,7 @@ def prepare(args: argparse.Namespace):
     """Resolve and check everything that can be checked before a process starts -> LaunchPlan."""
     from pimm.cli.paths import config_roots
     from pimm.config import apply_overrides, load_config, parse_overrides, resolve_config_path
-    from pimm.engine.trainer import check_config
+    from pimm.config.required import check_config
     from pimm.launch.plan import make_plan, run_directory
 
     config_path = resolve_config_path(args.config, config_roots())
@@ -85,7 +85,7 @@ def data_files(cfg: dict) -> dict[str, str]:
 
 def check_data(cfg: dict, global_batch: int) -> None:
     """Every data file exists and is a pimm event file; the train set fills one global batch."""
-    from pimm.data.dataset import validate_event_file
+    from pimm.data.event_file import validate_event_file
 
     for split, path in data_files(cfg).items():
         info = validate_event_file(path)
@@ -137,8 +137,7 @@ def run(args: argparse.Namespace) -> int:
 def _prepare_run_dir(plan) -> None:
     """A new run gets a new directory; a resumed run must exist. The resolved config is written
     as config.py; a resume with a different config keeps the old one beside it."""
-    from pimm.checkpoint.layout import candidates
-    from pimm.checkpoint.manager import CheckpointError
+    from pimm.checkpoint.layout import CheckpointError, candidates
     from pimm.config import config_hash, dump_config, load_config
 
     run_dir = plan.run_dir
@@ -172,7 +171,7 @@ def _attempts(run_dir: Path) -> list[dict]:
 
 
 def _report_interrupted(plan, outcome: str) -> int:
-    from pimm.engine.signals import EXIT_CHECKPOINTED
+    EXIT_CHECKPOINTED = 75  # pimm.engine.signals.EXIT_CHECKPOINTED (not imported: it pulls in torch)
 
     print(f"\npimm: {outcome}; a complete checkpoint is in {plan.run_dir / 'model' / 'last'}", file=sys.stderr)
     print(f"pimm: continue with: pimm launch --train.config {plan.config_name} --run.name {plan.run_dir.name} "

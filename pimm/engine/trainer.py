@@ -35,7 +35,7 @@ from pimm.engine.metrics import SegmentationMeter
 from pimm.engine.optim import build_optimizer, build_scheduler
 from pimm.engine.plot import plot_metrics
 from pimm.engine.signals import StopRequest
-from pimm.errors import ConfigError, TrainingError
+from pimm.errors import TrainingError
 from pimm.models import build_model
 from pimm.provenance import Provenance
 
@@ -459,12 +459,3 @@ class Trainer:
             "best_miou": self.state.best_metric if self.state.best_metric > -math.inf else None,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-
-
-def check_config(cfg: dict) -> None:
-    """Keys the trainer needs, checked before any process group work."""
-    for key in ("seed", "epochs", "batch_size", "model", "optimizer", "data", "log_every", "eval_every_epochs"):
-        if key not in cfg:
-            raise ConfigError(f"config is missing '{key}' (normally set in configs/_base_/default_runtime.py)")
-    if "train" not in cfg["data"] or not cfg["data"]["train"]:
-        raise ConfigError("config has no data.train entry")

@@ -37,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     log = setup_logging(run_dir / "logs", rank)
     try:
         from pimm.config import load_config
+        from pimm.config.required import check_config
         from pimm.distributed.env import destroy_distributed, init_distributed
         from pimm.engine.signals import EXIT_CHECKPOINTED
-        from pimm.engine.trainer import Interrupted, Trainer, check_config
+        from pimm.engine.trainer import Interrupted, Trainer
 
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         log.info("rank %d pid %d (torchrun restart %d)", rank, os.getpid(), restart)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
@@ -78,6 +79,9 @@ class LaunchPlan:
 
 
 def visible_gpus() -> int:
+    """GPUs this process may use; without an NVIDIA driver, 0 without paying for a torch import."""
+    if not Path("/proc/driver/nvidia").exists() and not os.environ.get("PIMM_PROBE_GPUS"):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
