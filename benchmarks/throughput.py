@@ -20,8 +20,10 @@ shared machine that is the first thing to look at when pimm and the hand-written
     .venv/bin/python benchmarks/throughput.py [--steps 120 --warmup 20 --repeats 2 --world-sizes 1,2]
                                               [--out results.json]
 
-Every run gets OMP_NUM_THREADS=--threads (default 1), N=1 included: torchrun sets 1 itself for
-N>1, and on a 2-core machine with 2 loader workers a second intra-op thread only competes with them.
+Both trainers (and the loader) get the same OMP_NUM_THREADS: by default the machine's cores
+divided by the world size (2 cores: 2 threads at N=1, 1 at N=2), which is what torch does by
+itself at N=1 and torchrun at N>1 (1 thread); `--threads K` sets K for every run. At N=1 one
+thread would leave a core idle (the loader workers need a few percent of one) and cost ~30%.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+
+from pimm.errors import PimmError
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -71,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2,
                    help="runs of each trainer per world size, in ABBA order (default 2)")
     p.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes (default 1,2)")
-    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (default 1)")
+    p.add_argument("--threads", default="auto",
+                   help="OMP_NUM_THREADS of every run: a number, or auto = cores // world size (default auto)")
     p.add_argument("--loader-batches", type=int, default=100, help="batches per rank of the loader run (default 100)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to both trainers and the loader (repeatable), "
@@ -95,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"need 0 < --warmup < --steps, got warmup={args.warmup} steps={args.steps}")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
+        p.error(f"--threads must be a positive integer or auto, got {args.threads!r}")
     for token in args.overrides:
         if "=" not in token:
             p.error(f"--set takes KEY=VALUE, got {token!r}")
@@ -129,8 +136,15 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
     return [f"data.train.path={args.data}", *args.overrides]
 
 
-def run_env(args: argparse.Namespace) -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+def threads_for(args: argparse.Namespace, world: int) -> int:
+    if args.threads == "auto":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores // world)
+    return int(args.threads)
+
+
+def run_env(args: argparse.Namespace, world: int) -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS=str(threads_for(args, world)), PYTHONUNBUFFERED="1")
 
 
 def run(argv: list[str], env: dict[str, str], log_path: Path, timeout: float) -> str:
@@ -225,7 +239,7 @@ def run_pimm(args: argparse.Namespace, world: int, rep: int, tmp: Path, epochs: 
         f"max_steps={args.steps}", f"epochs={epochs}", f"log_every={args.log_every}", "data.val=null",
         *common_overrides(args),
     ]
-    run(argv, run_env(args), tmp / f"{name}.out", args.timeout)
+    run(argv, run_env(args, world), tmp / f"{name}.out", args.timeout)
     run_dirs = list((tmp / "exp").glob(f"*/{name}"))
     if len(run_dirs) != 1:
         raise BenchError(f"cannot find the run directory of {name} under {tmp / 'exp'}")
@@ -233,6 +247,7 @@ def run_pimm(args: argparse.Namespace, world: int, rep: int, tmp: Path, epochs: 
     config = json.loads((run_dir / "launch.json").read_text())
     batch = int(config["batches"]["global_batch_size"])
     result = {"impl": "pimm", "world_size": world, "run_dir": str(run_dir), "global_batch": batch,
+              "omp_num_threads": threads_for(args, world),
               "per_rank_batch": int(config["batches"]["events_per_rank"]),
               "workers_per_rank": int(config["batches"]["workers_per_rank"])}
 
@@ -272,7 +287,7 @@ def run_hand(args: argparse.Namespace, world: int, rep: int, tmp: Path) -> dict:
         str(HERE / "handwritten_ddp.py"), "--config", args.config, "--steps", str(args.steps),
         "--warmup", str(args.warmup), *common_overrides(args),
     ]
-    result = last_json_line(run(argv, run_env(args), tmp / f"{name}.out", args.timeout))
+    result = last_json_line(run(argv, run_env(args, world), tmp / f"{name}.out", args.timeout))
     result["clock"] = "perf_counter in the loop"
     return result
 
@@ -288,7 +303,7 @@ def run_loader(args: argparse.Namespace, world: int, tmp: Path) -> dict:
         ]
         log_path = tmp / f"bench-loader-w{world}-rank{rank}.out"
         procs.append((argv, log_path, open(log_path, "w", encoding="utf-8")))
-    running = [subprocess.Popen(a, cwd=REPO, env=run_env(args), stdout=f, stderr=subprocess.STDOUT,
+    running = [subprocess.Popen(a, cwd=REPO, env=run_env(args, world), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True) for a, _, f in procs]
     results = []
     try:
@@ -394,11 +409,18 @@ def main(argv: list[str] | None = None) -> int:
     info = validate_event_file(args.data)
     max_len = cfg["data"]["train"].get("max_len")
     num_events = min(info["num_events"], max_len) if max_len else info["num_events"]
-    command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv)
+    command = shlex.join([sys.executable, *(sys.argv if argv is None else [__file__, *argv])])
     print(f"pimm throughput benchmark: config {args.config}, data {args.data} ({num_events} events), "
           f"steps {args.steps} (warm-up {args.warmup}, measured {args.steps - args.warmup}), "
-          f"repeats {args.repeats}, world sizes {args.world_sizes}, OMP_NUM_THREADS={args.threads}", flush=True)
+          f"repeats {args.repeats}, world sizes {args.world_sizes}, OMP_NUM_THREADS "
+          f"{', '.join(f'{threads_for(args, w)} at N={w}' for w in args.world_sizes)}", flush=True)
 
+    try:
+        for world in args.world_sizes:  # a bad world size fails here, before any run starts
+            plan_batches(cfg, world)
+    except PimmError as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        return 1
     tmp = Path(tempfile.mkdtemp(prefix="pimm-bench-"))
     rows: list[dict] = []
     try:
@@ -460,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_other_load_cores": max((r["other_load_cores"] or 0.0) for r in pimm_runs + hand_runs),
                 "runs": {"pimm": pimm_runs, "hand": hand_runs, "loader": loader},
             })
-    except BenchError as exc:
+    except (BenchError, PimmError) as exc:
         print(f"benchmark failed: {exc}\n(logs kept in {tmp})", file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - started
@@ -489,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             "config": args.config, "data": str(args.data), "num_events": num_events, "steps": args.steps,
             "warmup": args.warmup, "log_every": args.log_every, "repeats": args.repeats,
-            "world_sizes": args.world_sizes, "omp_num_threads": args.threads, "overrides": args.overrides,
+            "world_sizes": args.world_sizes, "overrides": args.overrides,
+            "omp_num_threads": {str(w): threads_for(args, w) for w in args.world_sizes},
             "loader_batches": args.loader_batches, "target_ratio": TARGET_RATIO, "wait_quiet_s": args.wait_quiet,
         },
         "results": rows,

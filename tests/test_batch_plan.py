@@ -43,3 +43,12 @@ def test_split_preserves_global_batch(per_rank, world, workers):
     plan = plan_batches(dict(batch_size=per_rank * world, num_worker=workers), world)
     assert plan.events_per_rank * plan.world_size == plan.global_batch_size
     assert plan.workers_per_rank == workers // world
+
+
+def test_more_processes_than_gpus_is_refused():
+    from pimm.errors import LaunchError
+    from pimm.launch.plan import resolve_nproc
+
+    assert resolve_nproc("auto", 4) == 4 and resolve_nproc("auto", 0) == 1 and resolve_nproc("3", 0) == 3
+    with pytest.raises(LaunchError, match="more processes than the 4 visible GPU"):
+        resolve_nproc("8", 4)

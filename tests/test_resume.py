@@ -117,7 +117,8 @@ def test_unmappable_cursor_restarts_the_epoch_with_a_replay_warning(tmp_path, ti
         assert steps(run_dir)[6] == steps(run_dir)[1]
 
 
-def test_sigterm_checkpoints_and_exits_with_75_then_resume_finishes(tmp_path, tiny_data):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_checkpoints_and_exits_with_75_then_resume_finishes(tmp_path, tiny_data, sig):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run_dir = tmp_path / "tests" / "sig"
     proc = subprocess.Popen(
@@ -130,7 +131,7 @@ def test_sigterm_checkpoints_and_exits_with_75_then_resume_finishes(tmp_path, ti
         deadline = time.time() + 120
         while time.time() < deadline and len(_lines(run_dir / "metrics.jsonl")) < 5:
             time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
     finally:
         _kill_group(proc)

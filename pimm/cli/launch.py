@@ -180,12 +180,13 @@ def _report_interrupted(plan, outcome: str) -> int:
 
 
 def _run_torchrun(argv: list[str]) -> int:
-    """Run torchrun; SIGTERM/SIGUSR1 sent to pimm reach the workers through it."""
+    """Run torchrun; SIGTERM or SIGUSR1 sent to pimm reaches it as SIGTERM, which torchrun
+    forwards to every worker (each then checkpoints and exits)."""
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     proc = subprocess.Popen(argv, env=env)
     forwarded = (signal.SIGTERM, signal.SIGUSR1)
-    previous = {sig: signal.signal(sig, lambda s, _f: proc.send_signal(s)) for sig in forwarded}
+    previous = {sig: signal.signal(sig, lambda _s, _f: proc.send_signal(signal.SIGTERM)) for sig in forwarded}
     try:
         return proc.wait()
     except KeyboardInterrupt:  # the terminal sent SIGINT to the whole group; let torchrun finish

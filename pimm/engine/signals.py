@@ -10,8 +10,7 @@ import signal
 import time
 
 import torch
-
-from pimm.distributed.env import all_reduce_max
+import torch.distributed as dist
 
 EXIT_CHECKPOINTED = 75  # stopped by a signal after writing a complete checkpoint: resume it
 EXIT_SECOND_SIGNAL = 76  # a second signal: exited at once, the last complete checkpoint is intact
@@ -25,6 +24,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.signal_name: str | None = None
         self._first_at = 0.0
+        self._in_flight: tuple[torch.Tensor, dist.Work] | None = None
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
@@ -38,10 +38,25 @@ class StopRequest:
             self.signal_name = signal.Signals(signum).name
             self._first_at = now
 
-    def request(self, reason: str) -> None:
-        self.signal_name = self.signal_name or reason
-
     def agreed(self, device: torch.device) -> bool:
-        """True on every rank when any rank has a request (one tiny all-reduce per step)."""
+        """Called once per step on every rank; True on all ranks at the same step when any rank has
+        a request. The flags are all-reduced asynchronously and read one step later, so the check
+        adds no synchronisation point to the step (a signal is honoured one step later)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.signal_name is not None
+        stop = False
+        if self._in_flight is not None:
+            flag, work = self._in_flight
+            work.wait()
+            stop = bool(flag.item())
         flag = torch.tensor([1.0 if self.signal_name else 0.0], device=device)
-        return bool(all_reduce_max(flag).item())
+        self._in_flight = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+        if stop:
+            self.signal_name = self.signal_name or "a signal on another rank"
+        return stop
+
+    def drain(self) -> None:
+        """Wait for the all-reduce in flight (before other collectives end the run)."""
+        if self._in_flight is not None:
+            self._in_flight[1].wait()
+            self._in_flight = None

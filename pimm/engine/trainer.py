@@ -199,6 +199,7 @@ class Trainer:
                 final = self.evaluate()
                 self._save_best(final)
             self.save_checkpoint()
+        self.stop.drain()
         self.checkpoints.wait()
         self.metrics.close()
         if self.env.is_main:
@@ -306,15 +307,15 @@ class Trainer:
                 window_start = time.perf_counter()
             if self.checkpoint_every and self.state.step % int(self.checkpoint_every) == 0:
                 self.save_checkpoint()
-            if self._interrupt_at == self.state.step:
-                self.stop.request("debug.interrupt_at_step")
-            if self.stop.agreed(self.env.device):
+            if self.stop.agreed(self.env.device) or self._interrupt_at == self.state.step:
                 if progress is not None:
                     progress.close()
-                log.warning("stop requested (%s): writing a checkpoint at step %d", self.stop.signal_name,
-                            self.state.step)
+                self.stop.drain()
+                reason = self.stop.signal_name or "debug.interrupt_at_step"
+                self.stop.signal_name = reason
+                log.warning("stop requested (%s): writing a checkpoint at step %d", reason, self.state.step)
                 self.save_checkpoint(blocking=True)
-                raise Interrupted(self.stop.signal_name)
+                raise Interrupted(reason)
             if self.state.step >= self.total_steps:
                 break
         if progress is not None:
