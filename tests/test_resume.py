@@ -159,10 +159,11 @@ def test_second_signal_exits_at_once():
 
 
 def test_sigkill_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, tiny_data, reference):
-    res, run_dir = launch(tmp_path, tiny_data, 2, "checkpoint_every_n_steps=4",
+    res, run_dir = launch(tmp_path, tiny_data, 2, "checkpoint_every_n_steps=4", "save_iter_snapshots=true",
                           "debug.kill_during_checkpoint_at_step=8")
     assert res.returncode != 0
     assert "killed by signal 9" in res.stderr
+    assert (run_dir / "model/iter_4.pth").exists()  # optional weight snapshots
     assert (run_dir / "model/.tmp-step_00000008/weights.pth").exists()  # the write really was cut
     assert json.loads((run_dir / "model/last/.complete").read_text())["step"] == 4
     res, run_dir = launch(tmp_path, tiny_data, 2, "checkpoint_every_n_steps=4", resume=True)

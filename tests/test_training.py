@@ -28,7 +28,8 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 
 def test_two_rank_run_learns_and_leaves_a_complete_run_directory(tmp_path, tiny_data):
     # 8 fixed events, no augmentation: the loss must fall clearly within 20 steps
-    res, run_dir = launch(tmp_path, tiny_data, 2, "data.train.max_len=8", "data.train.augment=false", "epochs=10")
+    res, run_dir = launch(tmp_path, tiny_data, 2, "data.train.max_len=8", "data.train.augment=false", "epochs=10",
+                          "sync_bn=true")
     assert res.returncode == 0, res.stderr
     losses = [r["loss"] for r in records(run_dir, "train")]
     assert len(losses) == 20
@@ -42,7 +43,9 @@ def test_two_rank_run_learns_and_leaves_a_complete_run_directory(tmp_path, tiny_
     # the weights load into the bare model without any process group
     model = build_model(dict(type="PointSegNet", in_channels=4, num_classes=5, channels=16, grid_sizes=[4, 16]))
     model.load_state_dict(torch.load(run_dir / "model/last/weights.pth", weights_only=True))
-    assert "world size 2" in (run_dir / "logs/rank0.log").read_text()
+    rank0_log = (run_dir / "logs/rank0.log").read_text()
+    assert "world size 2" in rank0_log and "strategy ddp" in rank0_log
+    assert "sync_bn=True ignored: SyncBatchNorm needs CUDA" in rank0_log
 
 
 def test_one_and_two_ranks_give_the_same_loss_curve(tmp_path, tiny_data):

@@ -1,0 +1,42 @@
+"""Pack variable-length events into one point tensor with Pointcept-style offsets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_POINT_KEYS = ("coord", "feat", "segment")
+
+
+def collate_events(batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Concatenate events' points: coord (sumN,3), feat (sumN,F), segment (sumN,), plus
+    offset (B,) int64 with offset[i] = end row of event i (offset[-1] == sumN) and event_id (B,)."""
+    if not batch:
+        raise ValueError("collate_events got an empty batch; a batch needs at least one event")
+    out: dict[str, torch.Tensor] = {key: torch.cat([event[key] for event in batch]) for key in _POINT_KEYS}
+    counts = torch.tensor([len(event["coord"]) for event in batch], dtype=torch.int64)
+    out["offset"] = torch.cumsum(counts, dim=0)
+    out["event_id"] = torch.tensor([int(event["event_id"]) for event in batch], dtype=torch.int64)
+    return out
+
+
+def offset_to_batch_index(offset: torch.Tensor) -> torch.Tensor:
+    """(B,) end-row offsets -> (sumN,) int64 event index of every point (empty events allowed)."""
+    offset = offset.to(torch.int64)
+    counts = torch.diff(offset, prepend=offset.new_zeros(1))
+    return torch.repeat_interleave(torch.arange(len(offset), device=offset.device), counts)
+
+
+def batch_index_to_offset(batch_index: torch.Tensor, num_events: int | None = None) -> torch.Tensor:
+    """(sumN,) sorted event index per point -> (B,) int64 end-row offsets.
+
+    B is `num_events` when given (needed if trailing events are empty), else max index + 1.
+    """
+    batch_index = batch_index.to(torch.int64)
+    if num_events is None:
+        num_events = int(batch_index.max()) + 1 if len(batch_index) else 0
+    counts = torch.bincount(batch_index, minlength=num_events)
+    if len(counts) > num_events:
+        raise ValueError(f"batch index {int(batch_index.max())} is out of range for {num_events} events")
+    return torch.cumsum(counts, dim=0)
