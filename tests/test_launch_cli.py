@@ -102,3 +102,15 @@ def test_help_describes_every_flag():
                  "--run.no-timestamp", "--paths.exp-root", "--dry-run", "--resources.max-restarts"):
         assert flag in res.stdout
     assert run_pimm(["--help"], cwd=REPO).returncode == 0
+
+
+def test_data_synth_and_describe(tmp_path):
+    out = tmp_path / "ev.h5"
+    res = run_pimm(["data", "synth", "--out", str(out), "--events", "5", "--seed", "3"], cwd=tmp_path)
+    assert res.returncode == 0 and "wrote 5 events" in res.stdout
+    res = run_pimm(["data", "describe", str(out)], cwd=tmp_path)
+    assert res.returncode == 0 and '"num_events": 5' in res.stdout
+    res = run_pimm(["data", "synth", "--out", str(out), "--events", "0"], cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    res = run_pimm(["data", "describe", str(tmp_path / "missing.h5")], cwd=tmp_path)
+    assert res.returncode == 2 and "pimm data synth" in res.stderr

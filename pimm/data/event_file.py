@@ -38,7 +38,9 @@ def _read_index(path: str | Path) -> tuple[dict[str, Any], np.ndarray, list[str]
         raise _fail(path, "no such file", f"generate it with {synth_command(path)}")
     if not path.is_file():
         raise _fail(
-            path, "is not a regular file (a directory?)", f"pass the .h5 file itself, or create one with {synth_command()}"
+            path,
+            "is not a regular file (a directory?)",
+            f"pass the .h5 file itself, or create one with {synth_command()}",
         )
     size = path.stat().st_size
     try:

@@ -289,7 +289,8 @@ class Trainer:
     def _train_epoch(self) -> None:
         self.module.train()
         log_every = int(self.cfg["log_every"])
-        window_loss = torch.zeros(2, dtype=torch.float64)  # (sum of step losses, steps)
+        # (sum of step losses, steps), kept on the device: no host sync per step
+        window_loss = torch.zeros(2, dtype=torch.float64, device=self.env.device)
         window_start = time.perf_counter()
         progress = self._progress()
         for batch in self.train_loader:
@@ -298,7 +299,8 @@ class Trainer:
             loss = self._train_step(batch)
             self.state.step += 1
             self.state.samples_in_epoch += self.plan.global_batch_size
-            window_loss += torch.tensor([float(loss), 1.0], dtype=torch.float64)
+            window_loss[0] += loss.double()
+            window_loss[1] += 1
             if progress is not None:
                 progress.update(1)
             if self.state.step % log_every == 0 or self.state.step >= self.total_steps:
