@@ -1,4 +1,9 @@
-"""User-facing errors: raised for bad input, printed without a traceback by the CLI."""
+"""User-facing errors (printed without a traceback by the CLI) and pimm's exit statuses."""
+
+EXIT_FAILED = 1  # training failed on some rank
+EXIT_BAD_INPUT = 2  # found before any process started
+EXIT_CHECKPOINTED = 75  # stopped by SIGTERM/SIGUSR1 after writing a complete checkpoint: resume it
+EXIT_SECOND_SIGNAL = 76  # a second signal: exited at once, the last complete checkpoint is intact
 
 
 class PimmError(Exception):

@@ -102,3 +102,23 @@ def candidates(model_dir: Path) -> tuple[list[Checkpoint], list[Path]]:
     # `last` first among equal steps: it is the canonical name
     complete.sort(key=lambda c: (c.step, c.path.name == LAST), reverse=True)
     return complete, sorted(incomplete)
+
+
+def resumable(model_dir: Path) -> tuple[list[Checkpoint], list[Path]]:
+    """(complete checkpoints newest first, incomplete checkpoint directories); half-written
+    staging directories are crash leftovers, not checkpoints, and are left out. Raises
+    CheckpointError('Incomplete checkpoint directory ...') when only incomplete ones exist."""
+    complete, incomplete = candidates(model_dir)
+    incomplete = [p for p in incomplete if not p.name.startswith(STAGING_PREFIX)]
+    if not complete and incomplete:
+        detail = "; ".join(_why_incomplete(p) for p in incomplete)
+        raise CheckpointError(f"Incomplete checkpoint directory: no complete checkpoint to resume from ({detail})")
+    return complete, incomplete
+
+
+def _why_incomplete(path: Path) -> str:
+    try:
+        read_manifest(path)
+    except CheckpointError as exc:
+        return str(exc)
+    return str(path)

@@ -31,8 +31,8 @@ from pimm.checkpoint.layout import (
     WEIGHTS,
     Checkpoint,
     CheckpointError,
-    candidates,
     read_manifest,
+    resumable,
     write_manifest,
 )
 
@@ -157,20 +157,7 @@ class CheckpointManager:
 
     def resumable(self) -> list[Checkpoint]:
         """Complete checkpoints, newest first; CheckpointError when only incomplete ones exist."""
-        complete, incomplete = candidates(self.model_dir)
-        # half-written staging directories are crash leftovers, not checkpoints
-        incomplete = [p for p in incomplete if not p.name.startswith(STAGING_PREFIX)]
+        complete, incomplete = resumable(self.model_dir)
         for path in incomplete:
             log.warning("Incomplete checkpoint directory %s skipped", path)
-        if not complete and incomplete:
-            detail = "; ".join(_why_incomplete(p) for p in incomplete)
-            raise CheckpointError(f"Incomplete checkpoint directory: no complete checkpoint to resume from ({detail})")
         return complete
-
-
-def _why_incomplete(path: Path) -> str:
-    try:
-        read_manifest(path)
-    except CheckpointError as exc:
-        return str(exc)
-    return str(path)

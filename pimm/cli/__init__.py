@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from pimm import __version__
-from pimm.errors import PimmError
+from pimm.errors import EXIT_BAD_INPUT, PimmError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except PimmError as exc:
         print(f"pimm: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("pimm: interrupted", file=sys.stderr)
         return 130

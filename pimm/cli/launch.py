@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from pimm.errors import LaunchError
+from pimm.errors import EXIT_CHECKPOINTED, LaunchError
 
 
 def add_parser(sub) -> None:
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
 def _prepare_run_dir(plan) -> None:
     """A new run gets a new directory; a resumed run must exist. The resolved config is written
     as config.py; a resume with a different config keeps the old one beside it."""
-    from pimm.checkpoint.layout import CheckpointError, candidates
+    from pimm.checkpoint.layout import resumable
     from pimm.config import config_hash, dump_config, load_config
 
     run_dir = plan.run_dir
@@ -146,10 +146,7 @@ def _prepare_run_dir(plan) -> None:
             raise LaunchError(
                 f"cannot resume: run directory {run_dir} does not exist; check --run.name and --paths.exp-root"
             )
-        complete, incomplete = candidates(run_dir / "model")
-        incomplete = [p for p in incomplete if not p.name.startswith(".tmp-")]
-        if not complete and incomplete:
-            raise CheckpointError(f"Incomplete checkpoint directory {incomplete[0]}: no complete checkpoint to resume")
+        resumable(run_dir / "model")  # 'Incomplete checkpoint directory ...' before any process starts
         previous = run_dir / "config.py"
         if previous.exists() and config_hash(load_config(previous)) != config_hash(plan.cfg):
             kept = run_dir / f"config.before-{time.strftime('%Y%m%d-%H%M%S')}.py"
@@ -171,7 +168,6 @@ def _attempts(run_dir: Path) -> list[dict]:
 
 
 def _report_interrupted(plan, outcome: str) -> int:
-    EXIT_CHECKPOINTED = 75  # pimm.engine.signals.EXIT_CHECKPOINTED (not imported: it pulls in torch)
 
     print(f"\npimm: {outcome}; a complete checkpoint is in {plan.run_dir / 'model' / 'last'}", file=sys.stderr)
     print(f"pimm: continue with: pimm launch --train.config {plan.config_name} --run.name {plan.run_dir.name} "

@@ -12,8 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
-EXIT_CHECKPOINTED = 75  # stopped by a signal after writing a complete checkpoint: resume it
-EXIT_SECOND_SIGNAL = 76  # a second signal: exited at once, the last complete checkpoint is intact
+from pimm.errors import EXIT_SECOND_SIGNAL
+
 GRACE_S = 2.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

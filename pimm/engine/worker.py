@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         from pimm.config import load_config
         from pimm.config.required import check_config
         from pimm.distributed.env import destroy_distributed, init_distributed
-        from pimm.engine.signals import EXIT_CHECKPOINTED
         from pimm.engine.trainer import Interrupted, Trainer
+        from pimm.errors import EXIT_CHECKPOINTED
 
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         log.info("rank %d pid %d (torchrun restart %d)", rank, os.getpid(), restart)
