@@ -24,7 +24,7 @@ from pimm.checkpoint.layout import CheckpointError
 from pimm.checkpoint.manager import CheckpointManager
 from pimm.checkpoint.state import capture, restore
 from pimm.config import config_hash
-from pimm.data.collate import collate_events
+from pimm.data.collate import collate_events, offset_to_batch_index
 from pimm.data.dataset import build_dataset
 from pimm.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from pimm.distributed.batch import plan_batches
@@ -56,8 +56,8 @@ def event_mean_loss(logits: torch.Tensor, target: torch.Tensor, offset: torch.Te
     """Per-event mean cross-entropy and its mean over events -> (loss, event_losses)."""
     point_loss = F.cross_entropy(logits.float(), target, reduction="none")
     counts = torch.diff(offset, prepend=offset.new_zeros(1))
-    batch_index = torch.repeat_interleave(torch.arange(len(offset), device=offset.device), counts)
-    event_losses = point_loss.new_zeros(len(offset)).index_add_(0, batch_index, point_loss) / counts
+    event_sums = point_loss.new_zeros(len(offset)).index_add_(0, offset_to_batch_index(offset), point_loss)
+    event_losses = event_sums / counts
     return event_losses.mean(), event_losses
 
 

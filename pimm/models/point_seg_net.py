@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pimm.data.collate import offset_to_batch_index
+
 
 def voxel_clusters(coord: torch.Tensor, batch_index: torch.Tensor, grid_size: float) -> tuple[torch.Tensor, int]:
     """Cluster id per point for voxels of edge `grid_size`, never mixing events; returns (ids, count)."""
@@ -64,8 +66,7 @@ class PointSegNet(nn.Module):
 
     def forward(self, coord: torch.Tensor, feat: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         """coord (N,3), feat (N,C_in), offset (B,) cumulative counts -> logits (N, num_classes)."""
-        counts = torch.diff(offset, prepend=offset.new_zeros(1))
-        batch_index = torch.repeat_interleave(torch.arange(len(offset), device=offset.device), counts)
+        batch_index = offset_to_batch_index(offset)
         clusters = {g: voxel_clusters(coord, batch_index, g) for g in set(self.grid_sizes)}
         x = self.stem(feat)
         for grid_size, block in zip(self.grid_sizes, self.blocks):
