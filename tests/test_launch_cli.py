@@ -28,16 +28,17 @@ def test_dry_run_prints_torchrun_command_and_split(tmp_path, tiny_data):
     assert not (tmp_path / "exp").exists()  # a dry run creates nothing
 
 
-def test_dry_run_resolves_name_with_and_without_timestamp(tmp_path):
+def test_dry_run_resolves_name_with_and_without_timestamp(tmp_path, tiny_data):
     exp = tmp_path / "exp"
     res = run_pimm(["launch", "--train.config", TINY, "--dry-run", "--run.name", "abc", "--run.no-timestamp",
-                    "--paths.exp-root", str(exp)], cwd=REPO)
+                    "--paths.exp-root", str(exp), "--", *data_args(tiny_data)], cwd=REPO)
     assert res.returncode == 0, res.stderr
     assert f"run directory: {exp}/tests/abc\n" in res.stdout
 
 
-def test_config_given_as_file_path(tmp_path):
-    res = run_pimm(["launch", "--train.config", str(REPO / "configs/tests/tiny_semseg.py"), "--dry-run"], cwd=tmp_path)
+def test_config_given_as_file_path(tmp_path, tiny_data):
+    res = run_pimm(["launch", "--train.config", str(REPO / "configs/tests/tiny_semseg.py"), "--dry-run",
+                    "--", *data_args(tiny_data)], cwd=tmp_path)
     assert res.returncode == 0, res.stderr
 
 

@@ -11,57 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import REPO, run_pimm
-
-TINY = "tests/tiny_semseg"  # 48 train events / batch 4 = 12 steps per epoch
-
-
-def launch(exp, tiny_data, nproc, *overrides, name="run", resume=False, extra=()):
-    args = ["launch", "--train.config", TINY, "--resources.nproc-per-node", str(nproc), "--run.name", name,
-            "--run.no-timestamp", "--paths.exp-root", str(exp), *extra]
-    if resume:
-        args.append("--train.resume")
-    res = run_pimm([*args, "--", f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}",
-                    "log_event_ids=true", *overrides], cwd=REPO)
-    return res, exp / "tests" / name
-
-
-def steps(run_dir: Path) -> dict[int, list[int]]:
-    """step -> the global batch's event ids (ranks concatenated in rank order)."""
-    by_step: dict[int, dict[int, list[int]]] = {}
-    for path in (run_dir / "logs").glob("event_ids_rank*.jsonl"):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            by_step.setdefault(rec["step"], {})[rec["rank"]] = rec["event_ids"]
-    return {s: [i for r in sorted(ranks) for i in ranks[r]] for s, ranks in sorted(by_step.items())}
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
-
-
-def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model/last/weights.pth", weights_only=True)
-
-
-def attempts(run_dir: Path) -> list[dict]:
-    return json.loads((run_dir / "provenance.json").read_text())["attempts"]
-
-
-def assert_bitwise_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key, value in a.items():
-        assert torch.equal(value, b[key]), key
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_data):
-    """An uninterrupted 2-rank run of 2 epochs (24 steps)."""
-    res, run_dir = launch(tmp_path_factory.mktemp("ref"), tiny_data, 2, name="ref")
-    assert res.returncode == 0, res.stderr
-    return run_dir
+from conftest import REPO, TINY, assert_bitwise_equal, attempts, launch, losses, steps, weights
 
 
 def test_interrupted_and_resumed_three_times_in_one_epoch_is_bit_exact(tmp_path, tiny_data, reference):
@@ -147,7 +97,7 @@ def test_signal_checkpoints_and_exits_with_75_then_resume_finishes(tmp_path, tin
 def test_second_signal_exits_at_once():
     code = (
         "import os, signal, time\n"
-        "from pimm.engine.signals import StopRequest\n"
+        "from pimm.signals import StopRequest\n"
         "s = StopRequest(); s.install()\n"
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1); assert s.signal_name == 'SIGTERM'\n"
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1)  # within the grace window: same request\n"

@@ -2,17 +2,20 @@
 
     <run>/model/last/          weights.pth  trainer.dcp/  .complete   (newest)
     <run>/model/step_<N>/      older complete checkpoints (keep_last in all)
-    <run>/model/.tmp-step_<N>/ a checkpoint being written (never resumed from)
+    <run>/model/.tmp-step_<N>/ a checkpoint being written (never resumed from as such)
+    <run>/model/.trash-<name>/ a checkpoint being deleted (never resumed from)
     <run>/model/model_best.pth, iter_<step>.pth
 
-`.complete` is written last and holds a manifest: the step and the size and sha256 of
-weights.pth and of every file in trainer.dcp/, so truncation or corruption is found before loading.
+`.complete` is written last and holds a manifest: the format, the step and the size and sha256
+of weights.pth and of every file in trainer.dcp/, so truncation or corruption is found before
+loading. Every file it names is fsynced before it is written (see FORMAT.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,8 @@ TRAINER = "trainer.dcp"
 COMPLETE = ".complete"
 LAST = "last"
 STAGING_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+FORMAT = 2  # 2: no pickle anywhere in trainer.dcp (format 1, unmarked, pickled the trainer state)
 
 
 class CheckpointError(PimmError):
@@ -37,16 +42,31 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries (after creating or renaming in it), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _files(ckpt_dir: Path) -> list[Path]:
     return [ckpt_dir / WEIGHTS, *sorted((ckpt_dir / TRAINER).iterdir())]
 
 
 def write_manifest(ckpt_dir: Path, step: int) -> None:
-    """Write `.complete` (the last file of a checkpoint)."""
-    files = {str(p.relative_to(ckpt_dir)): [p.stat().st_size, sha256_file(p)] for p in _files(ckpt_dir)}
+    """Write `.complete` (the last file of a checkpoint), once every file it names is on disk."""
+    files = {}
+    for path in _files(ckpt_dir):
+        fsync(path)
+        files[str(path.relative_to(ckpt_dir))] = [path.stat().st_size, sha256_file(path)]
+    fsync(ckpt_dir / TRAINER)
     tmp = ckpt_dir / (COMPLETE + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
+    tmp.write_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
+    fsync(tmp)
     tmp.replace(ckpt_dir / COMPLETE)
+    fsync(ckpt_dir)
 
 
 @dataclass(frozen=True)
@@ -72,8 +92,14 @@ def read_manifest(ckpt_dir: Path) -> dict:
 
 def verify(ckpt_dir: Path, rank: int = 0, world_size: int = 1) -> dict:
     """Check files against the manifest (rank r checks every world_size-th file, so the ranks share
-    the reading); CheckpointError names the first bad file."""
+    the reading); CheckpointError names the first bad file, or the format when it is not FORMAT."""
     manifest = read_manifest(ckpt_dir)
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} is in format {manifest.get('format', 1)}, this pimm reads format {FORMAT} "
+            "only (format 1 stored pickled state, which can run code when loaded); start a new run from its "
+            f"weights with --train.weight {ckpt_dir / WEIGHTS}"
+        )
     for i, (name, (size, digest)) in enumerate(sorted(manifest["files"].items())):
         if i % world_size != rank:
             continue
@@ -87,13 +113,14 @@ def verify(ckpt_dir: Path, rank: int = 0, world_size: int = 1) -> dict:
 
 
 def candidates(model_dir: Path) -> tuple[list[Checkpoint], list[Path]]:
-    """(complete checkpoints newest first, incomplete checkpoint directories) under `model_dir`."""
+    """(complete checkpoints newest first, incomplete checkpoint directories) among `last` and
+    `step_*` under `model_dir`; staging and trash directories are never candidates."""
     complete: list[Checkpoint] = []
     incomplete: list[Path] = []
     if not model_dir.is_dir():
         return complete, incomplete
     for path in model_dir.iterdir():
-        if not path.is_dir() or not (path.name == LAST or path.name.startswith(("step_", STAGING_PREFIX))):
+        if not path.is_dir() or not (path.name == LAST or path.name.startswith("step_")):
             continue
         try:
             complete.append(Checkpoint(path, int(read_manifest(path)["step"])))
@@ -105,11 +132,9 @@ def candidates(model_dir: Path) -> tuple[list[Checkpoint], list[Path]]:
 
 
 def resumable(model_dir: Path) -> tuple[list[Checkpoint], list[Path]]:
-    """(complete checkpoints newest first, incomplete checkpoint directories); half-written
-    staging directories are crash leftovers, not checkpoints, and are left out. Raises
+    """(complete checkpoints newest first, incomplete checkpoint directories). Raises
     CheckpointError('Incomplete checkpoint directory ...') when only incomplete ones exist."""
     complete, incomplete = candidates(model_dir)
-    incomplete = [p for p in incomplete if not p.name.startswith(STAGING_PREFIX)]
     if not complete and incomplete:
         detail = "; ".join(_why_incomplete(p) for p in incomplete)
         raise CheckpointError(f"Incomplete checkpoint directory: no complete checkpoint to resume from ({detail})")

@@ -1,13 +1,16 @@
 """One owner for checkpoints: structured save (weights.pth + DCP trainer state), asynchronous
-writing, promotion to `last`, keep-last-k, and finding the newest usable checkpoint to resume.
+writing, promotion to `last`, keep-last-k, and finding the checkpoints to resume from.
 
 Save protocol (every rank calls `save` at the same step):
   1. the caller hands over CPU copies of the state (the only part that blocks training);
   2. a background thread writes trainer.dcp/ with torch.distributed.checkpoint over a dedicated
-     gloo group (so it never interleaves with the training collectives), and rank 0 writes
-     weights.pth, then `.complete` (the manifest), then renames the directory into `last`;
-  3. the previous `last` becomes `step_<N>`; older ones beyond keep_last are removed.
-A crash at any point leaves the previous complete checkpoint untouched.
+     gloo group (so it never interleaves with the training collectives; each rank fsyncs its
+     files), and rank 0 writes weights.pth, then `.complete` (the manifest, written once every
+     file it names is fsynced), then renames the directory into `last` and fsyncs model/;
+  3. the previous `last` becomes `step_<N>`; older ones beyond keep_last are renamed to
+     `.trash-<name>` (never resumed from) and then deleted.
+A crash at any point leaves the previous complete checkpoint untouched; a complete staging
+directory left by a crash before its rename is finished (or removed) by the next resume.
 """
 
 from __future__ import annotations
@@ -28,13 +31,18 @@ from pimm.checkpoint.layout import (
     LAST,
     STAGING_PREFIX,
     TRAINER,
+    TRASH_PREFIX,
     WEIGHTS,
     Checkpoint,
     CheckpointError,
+    candidates,
+    fsync,
     read_manifest,
     resumable,
+    verify,
     write_manifest,
 )
+from pimm.distributed.env import broadcast_from_rank0
 
 log = logging.getLogger("pimm")
 # single-process runs save without a process group on purpose
@@ -80,14 +88,6 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------------
 
-    def clean_stale_staging(self) -> None:
-        """Rank 0 removes half-written directories left by a crash (call before the first save)."""
-        if self.rank == 0 and self.model_dir.is_dir():
-            for path in self.model_dir.glob(STAGING_PREFIX + "*"):
-                if not (path / ".complete").exists():
-                    log.warning("removing the incomplete checkpoint write %s (interrupted earlier)", path)
-                    shutil.rmtree(path, ignore_errors=True)
-
     def save(self, step: int, model_state: dict | None, trainer_state: dict, blocking: bool = False) -> None:
         """Write a checkpoint of `step`. `model_state` (rank 0 only) and `trainer_state` must already be
         CPU copies; returns once the write has started (or finished when blocking / not async)."""
@@ -120,7 +120,8 @@ class CheckpointManager:
 
     def _write(self, staging: Path, step: int, model_state: dict | None, trainer_state: dict) -> None:
         start = time.perf_counter()
-        dcp.save(trainer_state, checkpoint_id=staging / TRAINER, process_group=self.group, no_dist=self.group is None)
+        writer = dcp.FileSystemWriter(staging / TRAINER, sync_files=True)  # each rank fsyncs its files
+        dcp.save(trainer_state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
         if self.rank == 0:
             torch.save(model_state, staging / WEIGHTS)
             if self._kill_at == step:
@@ -134,17 +135,76 @@ class CheckpointManager:
         if last.exists():
             try:
                 older = self.model_dir / f"step_{int(read_manifest(last)['step']):08d}"
-                shutil.rmtree(older, ignore_errors=True)  # a superseded copy of the same step
+                if older.exists():
+                    self._discard(older)  # a superseded copy of the same step
                 os.replace(last, older)
             except CheckpointError:
-                shutil.rmtree(last)
+                self._discard(last)
         os.replace(staging, last)
+        fsync(self.model_dir)
         older = sorted(self.model_dir.glob("step_*"), reverse=True)
         for path in older[self.keep_last - 1 :]:
-            shutil.rmtree(path, ignore_errors=True)
+            self._discard(path)
         log.info("checkpoint of step %d complete: %s", step, last)
 
+    def _discard(self, path: Path) -> None:
+        """Delete a checkpoint directory so that no crash leaves it half deleted under its name:
+        rename it to .trash-<name> (which nothing resumes from) first."""
+        trash = self.model_dir / f"{TRASH_PREFIX}{path.name}"
+        shutil.rmtree(trash, ignore_errors=True)  # a leftover of the same name
+        os.replace(path, trash)
+        fsync(self.model_dir)
+        shutil.rmtree(trash, ignore_errors=True)  # what is left is removed at the next resume
+
     # -- resuming --------------------------------------------------------------------------
+
+    def resume_candidates(self) -> list[Checkpoint]:
+        """The complete checkpoints to resume from, newest first, as rank 0 sees them (every rank
+        calls this and gets the same list). Rank 0 first deletes .trash-* leftovers and finishes
+        the writes a crash interrupted. CheckpointError on every rank when only incomplete
+        checkpoints exist."""
+        found: list[tuple[str, int]] = []
+        error = None
+        if self.rank == 0:
+            try:
+                self._finish_interrupted_writes()
+                complete, incomplete = resumable(self.model_dir)
+                for path in incomplete:
+                    log.warning("Incomplete checkpoint directory %s skipped", path)
+                found = [(str(c.path), c.step) for c in complete]
+            except (CheckpointError, OSError) as exc:
+                error = str(exc)
+        found, error = broadcast_from_rank0((found, error))
+        if error is not None:
+            raise CheckpointError(error)
+        return [Checkpoint(Path(path), step) for path, step in found]
+
+    def _finish_interrupted_writes(self) -> None:
+        """Rank 0: a staging directory with a valid manifest (a crash came between `.complete` and
+        the rename) becomes `last` when it is newer than every checkpoint, else it is removed, as
+        is any incomplete one; .trash-* leftovers of an interrupted delete are removed."""
+        for trash in self.model_dir.glob(TRASH_PREFIX + "*"):
+            log.warning("removing %s (a checkpoint whose deletion was interrupted)", trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        complete, _ = candidates(self.model_dir)
+        newest = complete[0].step if complete else -1
+        for staging in sorted(self.model_dir.glob(STAGING_PREFIX + "*")):  # oldest step first
+            try:
+                step = int(verify(staging)["step"])
+            except CheckpointError as exc:
+                log.warning("removing the unfinished checkpoint write %s (%s)", staging, exc)
+                self._discard(staging)
+                continue
+            if step > newest:
+                log.warning("finishing the checkpoint write of step %d that a crash interrupted: %s", step, staging)
+                self._promote(staging, step)
+                newest = step
+            else:
+                log.warning(
+                    "removing %s: a finished write of step %d, not newer than the checkpoint of step %d",
+                    staging, step, newest,
+                )
+                self._discard(staging)
 
     def set_aside(self, bad: list[Path]) -> None:
         """Rank 0 renames unusable checkpoints to corrupt-<name> (kept for inspection, never resumed)."""
@@ -154,10 +214,5 @@ class CheckpointManager:
             target = self.model_dir / f"corrupt-{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
             os.replace(path, target)
             log.warning("unusable checkpoint %s moved to %s", path, target)
-
-    def resumable(self) -> list[Checkpoint]:
-        """Complete checkpoints, newest first; CheckpointError when only incomplete ones exist."""
-        complete, incomplete = resumable(self.model_dir)
-        for path in incomplete:
-            log.warning("Incomplete checkpoint directory %s skipped", path)
-        return complete
+        if bad:
+            fsync(self.model_dir)

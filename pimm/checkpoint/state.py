@@ -3,21 +3,21 @@
 trainer.dcp holds: the optimizer state (keyed by parameter name through DCP's state-dict API, so
 it reshards), the LR scheduler, the trainer state (step, epoch, cursor, best metric) with the
 facts needed to map the cursor (global batch, data length and hash, world size, workers), and
-`rng.rank<r>` with the RNG states of each rank.
+`rng.rank<r>` with the RNG states of each rank. Nothing in it is unpickled when it is loaded
+(safe_dcp.py): scheduler, trainer and RNG states are packed into uint8 tensors.
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
 import random
 from dataclasses import asdict
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from pimm.checkpoint import safe_dcp
 from pimm.checkpoint.layout import TRAINER, WEIGHTS, Checkpoint, CheckpointError, verify
 from pimm.checkpoint.manager import clone_to_cpu
 from pimm.distributed.env import all_reduce_max
@@ -25,19 +25,26 @@ from pimm.distributed.env import all_reduce_max
 log = logging.getLogger("pimm")
 
 
-def rng_states() -> dict:
-    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+def rng_states(device: torch.device) -> dict:
+    """This rank's RNG states (CUDA: its own device only) in types a safe load accepts."""
+    name, keys, *rest = np.random.get_state()
+    states = {
+        "torch": torch.get_rng_state(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), *rest),  # MT19937 keys are uint32
+        "python": random.getstate(),
+    }
+    if device.type == "cuda" and torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state(device)
     return states
 
 
-def set_rng_states(states: dict) -> None:
+def set_rng_states(states: dict, device: torch.device) -> None:
     torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
+    name, keys, *rest = states["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     random.setstate(states["python"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    if "cuda" in states and device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"], device)
 
 
 def cursor_facts(trainer) -> dict:
@@ -56,20 +63,22 @@ def capture(trainer) -> tuple[dict | None, dict]:
     full = trainer.strategy.full_model_state(trainer.module)
     model_state = clone_to_cpu(full) if trainer.env.is_main else None
     trainer_blob = {"state": asdict(trainer.state), "cursor": cursor_facts(trainer)}
+    scheduler = f"the state of the LR scheduler {type(trainer.scheduler).__name__}"
     dcp_state = {
         "optimizer": clone_to_cpu(get_optimizer_state_dict(trainer.module, trainer.optimizer)),
-        "scheduler": pickle.dumps(trainer.scheduler.state_dict()),
-        "trainer": pickle.dumps(trainer_blob),
-        f"rng.rank{trainer.env.rank}": pickle.dumps(rng_states()),
+        "scheduler": safe_dcp.pack(trainer.scheduler.state_dict(), scheduler),
+        "trainer": safe_dcp.pack(trainer_blob, "the trainer state"),
+        f"rng.rank{trainer.env.rank}": safe_dcp.pack(rng_states(trainer.env.device), "the RNG states"),
     }
     return model_state, dcp_state
 
 
-def _agree_verified(ckpt: Checkpoint, env) -> None:
-    """Ranks share the verification of the files; all raise if any rank found a bad one."""
-    problem = None
+def _agreed(action, ckpt: Checkpoint, env):
+    """`action()` on every rank; all raise if it raised CheckpointError on any rank, so that every
+    rank moves on to the same next checkpoint."""
+    problem = result = None
     try:
-        verify(ckpt.path, env.rank, env.world_size)
+        result = action()
     except CheckpointError as exc:
         problem = exc
         log.warning("%s", exc)
@@ -77,12 +86,14 @@ def _agree_verified(ckpt: Checkpoint, env) -> None:
     if problem is not None:
         raise problem
     if failed.item():
-        raise CheckpointError(f"checkpoint {ckpt.path} failed verification on another rank (see its log)")
+        raise CheckpointError(f"checkpoint {ckpt.path} failed on another rank (see its log)")
+    return result
 
 
 def restore(trainer, ckpt: Checkpoint, strict: bool) -> str:
     """Load `ckpt` into the trainer; returns the cursor outcome: restored | remapped | epoch_restarted."""
-    _agree_verified(ckpt, trainer.env)
+    # the ranks share the hashing: rank r checks every world_size-th file
+    _agreed(lambda: verify(ckpt.path, trainer.env.rank, trainer.env.world_size), ckpt, trainer.env)
     path = ckpt.path / WEIGHTS
     try:
         weights = torch.load(path, map_location="cpu", weights_only=True)
@@ -90,36 +101,39 @@ def restore(trainer, ckpt: Checkpoint, strict: bool) -> str:
         raise CheckpointError(f"corrupt checkpoint file {path}: {exc}") from exc
     trainer.strategy.load_full_model_state(trainer.module, weights, strict=strict)
 
-    reader = dcp.FileSystemReader(str(ckpt.path / TRAINER))
-    saved_keys = set(reader.read_metadata().state_dict_metadata)
-    saved_world = sum(1 for k in saved_keys if k.startswith("rng.rank"))
+    path = ckpt.path / TRAINER
+    metadata = safe_dcp.read_metadata(path)
+    saved_world = sum(1 for k in metadata.state_dict_metadata if k.startswith("rng.rank"))
     rng_key = f"rng.rank{trainer.env.rank}"
-    optimizer_template = get_optimizer_state_dict(trainer.module, trainer.optimizer)
-    template = {"optimizer": optimizer_template, "scheduler": b"", "trainer": b""}
     same_world = saved_world == trainer.env.world_size
-    if same_world:
-        template[rng_key] = b""
+    packed = ["scheduler", "trainer", *([rng_key] if same_world else [])]
+    template = {key: safe_dcp.packed_template(metadata, key, path) for key in packed}
+    template["optimizer"] = get_optimizer_state_dict(trainer.module, trainer.optimizer)
     try:
-        group = trainer.checkpoints.group
-        dcp.load(template, storage_reader=reader, process_group=group, no_dist=group is None)
-    except Exception as exc:
+        safe_dcp.load(template, path, trainer.checkpoints.group)
+    except safe_dcp.UnsafeCheckpoint:
+        raise
+    except CheckpointError as exc:
         if strict:
-            detail = f"{type(exc).__name__}: {str(exc)[:400]}"
-            raise CheckpointError(f"cannot read {ckpt.path / TRAINER}: {detail}") from exc
+            raise
         log.warning("resume_strict_state=False: trainer state in %s unreadable (%s); weights only", ckpt.path, exc)
         return "epoch_restarted"
+    unpacked = _agreed(  # rng.rank<r> is read by rank r alone
+        lambda: {key: safe_dcp.unpack(template[key], f"the entry {key} of {path}") for key in packed},
+        ckpt, trainer.env,
+    )
     for part, load in (
         ("optimizer", lambda: set_optimizer_state_dict(trainer.module, trainer.optimizer, template["optimizer"])),
-        ("scheduler", lambda: trainer.scheduler.load_state_dict(pickle.loads(template["scheduler"]))),
+        ("scheduler", lambda: trainer.scheduler.load_state_dict(unpacked["scheduler"])),
     ):
         try:
             load()
         except Exception as exc:
             if strict:
-                raise CheckpointError(f"the {part} state in {ckpt.path / TRAINER} does not fit: {exc}") from exc
+                raise CheckpointError(f"the {part} state in {path} does not fit: {exc}") from exc
             log.warning("resume_strict_state=False: %s state not restored (%s)", part, exc)
 
-    blob = pickle.loads(template["trainer"])
+    blob = unpacked["trainer"]
     saved, facts = blob["state"], blob["cursor"]
     trainer.state.step = saved["step"]
     trainer.state.epoch = saved["epoch"]
@@ -134,7 +148,7 @@ def restore(trainer, ckpt: Checkpoint, strict: bool) -> str:
     if not strict:
         reasons.append("resume_strict_state=False")
     if same_world and facts["workers_per_rank"] == now["workers_per_rank"]:
-        set_rng_states(pickle.loads(template[rng_key]))
+        set_rng_states(unpacked[rng_key], trainer.env.device)
     if reasons:
         if trainer.state.samples_in_epoch:
             log.warning(

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from pathlib import Path
 
 import torch
 
-from pimm.checkpoint.layout import WEIGHTS, CheckpointError, read_manifest
+from pimm.checkpoint.layout import WEIGHTS, CheckpointError, fsync, read_manifest
+
+_SHOWN = 3  # mismatched keys named per kind in a message
 
 
 def save_weight_file(state_dict: dict, path: Path) -> Path:
-    """torch.save to a temporary name, then rename: a reader never sees half a file."""
+    """torch.save to a temporary name, fsync, then rename: a reader (or a power loss) never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state_dict, tmp)
+    fsync(tmp)
     os.replace(tmp, path)
+    fsync(path.parent)
     return path
 
 
@@ -33,9 +39,87 @@ def resolve_weight_path(path: str | Path) -> Path:
     return path
 
 
-def load_weight_file(path: str | Path) -> dict:
-    resolved = resolve_weight_path(path)
+def _load_error_detail(exc: Exception) -> str:
+    """The informative part of a torch.load error (its weights_only errors are mostly boilerplate)."""
+    text = str(exc).strip()
+    unpickler = re.search(r"WeightsUnpickler error:\s*(.+?)(\n\n|$)", text, re.S)
+    first = unpickler.group(1).strip() if unpickler else (text.splitlines()[0] if text else "")
+    return f"{type(exc).__name__}: {first:.160}" if first else type(exc).__name__
+
+
+def _read_state_dict(path: Path, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """torch.load a file that must hold a state_dict (str -> tensor); CheckpointError otherwise."""
     try:
-        return torch.load(resolved, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about pickle protocols of files it then refuses
+            warnings.simplefilter("ignore")
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            except RuntimeError:
+                if not mmap:
+                    raise
+                # only zip-format files can be memory-mapped: a legacy file loads without, anything else fails
+                state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"cannot read weights {resolved}: {exc}") from exc
+        raise CheckpointError(
+            f"cannot read weights {path}: not a torch file of tensors ({_load_error_detail(exc)}); give a file "
+            "written by torch.save(model.state_dict(), ...), such as model/last/weights.pth or model/model_best.pth"
+        ) from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"weights {path} hold a {type(state).__name__}, not a state_dict; save model.state_dict() (a dict of "
+            "tensors) instead"
+        )
+    for key, value in state.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            nested = [k for k, v in state.items() if isinstance(v, dict)][:1]
+            hint = f" (the weights may be under its key {nested[0]!r})" if nested else ""
+            raise CheckpointError(
+                f"weights {path} are not a state_dict of tensors: key {key!r} holds {type(value).__name__}, not a "
+                f"tensor{hint}; save model.state_dict() instead"
+            )
+    return state
+
+
+def load_weight_file(path: str | Path) -> dict:
+    """The state_dict in a weights file or complete checkpoint directory, on the CPU."""
+    return _read_state_dict(resolve_weight_path(path))
+
+
+def _model_name(model_cfg: dict) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in model_cfg.items() if k != "type")
+    return f"{model_cfg.get('type')}({args})"
+
+
+def _listed(count: int, singular: str, plural: str, items: list[str], sep: str = ", ") -> str:
+    more = f"{sep}..." if count > len(items) else ""
+    return f"{count} {singular if count == 1 else plural} ({sep.join(items)}{more})"
+
+
+def check_weights_fit(path: str | Path, model_cfg: dict) -> Path:
+    """Check, before any process starts, that the weights at `path` load into the model that
+    `model_cfg` builds (same keys, same shapes); return the weights file. The model is built on
+    the meta device (no memory, no init) and the file is memory-mapped, so this is cheap."""
+    from pimm.models import build_model
+
+    resolved = resolve_weight_path(path)
+    state = _read_state_dict(resolved, mmap=True)
+    with torch.device("meta"):
+        expected = build_model(model_cfg).state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    mismatched = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if not (missing or unexpected or mismatched):
+        return resolved
+    parts = []
+    if missing:
+        parts.append(_listed(len(missing), "missing key", "missing keys", missing[:_SHOWN]))
+    if unexpected:
+        parts.append(_listed(len(unexpected), "unexpected key", "unexpected keys", unexpected[:_SHOWN]))
+    if mismatched:
+        shown = [f"{k}: {list(state[k].shape)} in the file, {list(expected[k].shape)} in the model"
+                 for k in mismatched[:_SHOWN]]
+        parts.append(_listed(len(mismatched), "shape mismatch", "shape mismatches", shown, sep="; "))
+    raise CheckpointError(
+        f"weights {path} do not fit model {_model_name(model_cfg)}: {', '.join(parts)}; give weights saved from "
+        "this model config, or set model.* to the config of the run that saved them (its config.py)"
+    )

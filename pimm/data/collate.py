@@ -21,11 +21,12 @@ def collate_events(batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return out
 
 
-def offset_to_batch_index(offset: torch.Tensor) -> torch.Tensor:
-    """(B,) end-row offsets -> (sumN,) int64 event index of every point (empty events allowed)."""
+def offset_to_batch_index(offset: torch.Tensor, num_points: int | None = None) -> torch.Tensor:
+    """(B,) end-row offsets -> (sumN,) int64 event index of every point (empty events allowed).
+    Give `num_points` (= sumN, known on the host) to spare a device-to-host sync on GPUs."""
     offset = offset.to(torch.int64)
     counts = torch.diff(offset, prepend=offset.new_zeros(1))
-    return torch.repeat_interleave(torch.arange(len(offset), device=offset.device), counts)
+    return torch.repeat_interleave(torch.arange(len(offset), device=offset.device), counts, output_size=num_points)
 
 
 def batch_index_to_offset(batch_index: torch.Tensor, num_events: int | None = None) -> torch.Tensor:

@@ -9,17 +9,19 @@ from typing import Any
 import h5py
 import numpy as np
 
-from pimm.data.synth import CLASS_NAMES, FORMAT, FORMAT_VERSION, synth_command
+from pimm.data.synth import _DTYPES, CHUNK_ROWS, CLASS_NAMES, FORMAT, FORMAT_VERSION, synth_command
 from pimm.errors import DataError
 
 _REQUIRED_ATTRS = ("format", "format_version", "num_events", "content_hash")
-# name -> (ndim, trailing shape, numpy kind) a valid file must have
+# name -> (ndim, trailing shape, numpy kind) a valid file must have; the writer's dtypes are in synth._DTYPES
 _REQUIRED_DATASETS = {
     "coord": (2, (3,), "f"),
     "energy": (1, (), "f"),
     "segment": (1, (), "u"),
     "offsets": (1, (), "i"),
 }
+_KIND_NAMES = {"f": "a floating-point type", "u": "an unsigned integer type", "i": "a signed integer type"}
+_LABEL_SCAN_ROWS = 256 * CHUNK_ROWS  # 1M labels (1 MiB of uint8) per read: whole chunks, bounded memory
 # files are written once and moved into place, so readers need no HDF5 file locks (which fail on
 # some parallel file systems)
 _OPEN_KW = {"mode": "r", "locking": False}
@@ -33,9 +35,13 @@ def _fail(path: Path, problem: str, todo: str | None = None) -> DataError:
 
 def _read_index(path: str | Path) -> tuple[dict[str, Any], np.ndarray, list[str]]:
     """Validate an event file; return (identity dict, offsets array, class names). Closes the file."""
-    path = Path(path).absolute()
+    given = Path(path)
+    path = given.absolute()
     if not path.exists():
-        raise _fail(path, "no such file", f"generate it with {synth_command(path)}")
+        where = "" if given.is_absolute() else (
+            f" (a relative data path is relative to the current directory {Path.cwd()})"
+        )
+        raise _fail(path, f"no such file{where}", f"generate it with {synth_command(given)}, or fix the path")
     if not path.is_file():
         raise _fail(
             path,
@@ -68,8 +74,14 @@ def _read_index(path: str | Path) -> tuple[dict[str, Any], np.ndarray, list[str]
                 if name not in f:
                     raise _fail(path, f"not a pimm event file: dataset '{name}' is missing")
                 d = f[name]
-                if not isinstance(d, h5py.Dataset) or d.ndim != ndim or d.shape[1:] != tail or d.dtype.kind != kind:
-                    raise _fail(path, f"dataset '{name}' has shape {getattr(d, 'shape', None)}, wrong for a pimm file")
+                if not isinstance(d, h5py.Dataset) or d.ndim != ndim or d.shape[1:] != tail:
+                    expected = "(N, " + ", ".join(map(str, tail)) + ")" if tail else "(N,)"
+                    raise _fail(path, f"dataset '{name}' has shape {getattr(d, 'shape', None)}, expected {expected}")
+                if d.dtype.kind != kind:
+                    raise _fail(
+                        path,
+                        f"dataset '{name}' has dtype {d.dtype}, expected {_KIND_NAMES[kind]} ({_DTYPES[name].name})",
+                    )
             rows = f["coord"].shape[0]
             for name in ("energy", "segment"):
                 if f[name].shape[0] != rows:
@@ -105,7 +117,36 @@ def _read_index(path: str | Path) -> tuple[dict[str, Any], np.ndarray, list[str]
     return info, offsets, class_names
 
 
-def validate_event_file(path: str | Path) -> dict[str, Any]:
+def validate_event_file(path: str | Path, num_classes: int | None = None) -> dict[str, Any]:
     """Check that `path` is a readable pimm event file; return {path, size_bytes, num_events,
-    content_hash, format_version}. Raises DataError saying what is wrong. Leaves no file open."""
-    return _read_index(path)[0]
+    content_hash, format_version}. With `num_classes`, also check that every label is in
+    0..num_classes-1. Raises DataError saying what is wrong. Leaves no file open."""
+    info, offsets, _ = _read_index(path)
+    if num_classes is not None:
+        _check_labels(Path(info["path"]), offsets, num_classes)
+    return info
+
+
+def _check_labels(path: Path, offsets: np.ndarray, num_classes: int) -> None:
+    """DataError naming the first event with a label >= num_classes (labels are unsigned).
+
+    Reads `segment` in blocks of whole chunks with numpy: files may hold tens of millions of points."""
+    try:
+        with h5py.File(path, **_OPEN_KW) as f:
+            segment = f["segment"]
+            for lo in range(0, segment.shape[0], _LABEL_SCAN_ROWS):
+                block = segment[lo : lo + _LABEL_SCAN_ROWS]
+                if block.size == 0 or block.max() < num_classes:
+                    continue
+                first = int(np.flatnonzero(block >= num_classes)[0])
+                row = lo + first
+                event = int(np.searchsorted(offsets, row, side="right")) - 1
+                raise _fail(
+                    path,
+                    f"event {event} has label {int(block[first])}, outside 0..{num_classes - 1} "
+                    f"(data.num_classes={num_classes}; point {row - int(offsets[event])} of the event, row {row})",
+                    "set data.num_classes (and model.num_classes) to cover every label, or use a file "
+                    f"written for {num_classes} classes",
+                )
+    except _H5_ERRORS as exc:
+        raise _fail(path, f"unreadable labels ({type(exc).__name__}: {exc}); the file is truncated or corrupt") from exc

@@ -41,7 +41,7 @@ def init_distributed(timeout_s: float = 600.0) -> DistEnv:
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     node_rank = int(os.environ.get("GROUP_RANK", 0))
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", cuda_device_index(local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -57,6 +57,19 @@ def init_distributed(timeout_s: float = 600.0) -> DistEnv:
             world_size=world_size,
         )
     return DistEnv(rank, local_rank, world_size, local_world_size, node_rank, device)
+
+
+def cuda_device_index(local_rank: int, visible: int) -> int:
+    """The GPU this rank drives. Normally local rank r -> GPU r of the node; when the scheduler
+    gives every task its own CUDA_VISIBLE_DEVICES (one GPU visible), that one GPU is index 0."""
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise RuntimeError(
+        f"local rank {local_rank} has no GPU: {visible} visible (CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); run one process per visible GPU"
+    )
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
@@ -92,3 +105,13 @@ def barrier() -> None:
 def destroy_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def broadcast_from_rank0(value):
+    """Rank 0's `value` on every rank (a small picklable value such as a list of paths; rank 0's own
+    value when there is no process group). Every rank must call it."""
+    if dist.is_available() and dist.is_initialized():
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pimm.distributed.env import DistEnv
 from pimm.errors import ConfigError
+from pimm.names import PARALLEL_STRATEGIES
 
 log = logging.getLogger("pimm")
 
@@ -87,7 +88,7 @@ def build_strategy(cfg: dict, env: DistEnv):
         return SingleProcess()
     if requested == "ddp":
         return DDP(bool(cfg.get("find_unused_parameters", False)), bool(cfg.get("sync_bn", False)))
-    raise ConfigError(f"unknown parallel.strategy '{requested}'; valid strategies: ddp")
+    raise ConfigError(f"unknown parallel.strategy '{requested}'; valid strategies: {', '.join(PARALLEL_STRATEGIES)}")
 
 
 def seed_everything(seed: int) -> None:

@@ -34,10 +34,10 @@ from pimm.engine.logs import MetricsWriter
 from pimm.engine.metrics import SegmentationMeter
 from pimm.engine.optim import build_optimizer, build_scheduler
 from pimm.engine.plot import plot_metrics
-from pimm.engine.signals import StopRequest
 from pimm.errors import TrainingError
 from pimm.models import build_model
 from pimm.provenance import Provenance
+from pimm.signals import StopRequest, ignore_further_stop_signals, ignore_stop_signals
 
 log = logging.getLogger("pimm")
 
@@ -56,7 +56,8 @@ def event_mean_loss(logits: torch.Tensor, target: torch.Tensor, offset: torch.Te
     """Per-event mean cross-entropy and its mean over events -> (loss, event_losses)."""
     point_loss = F.cross_entropy(logits.float(), target, reduction="none")
     counts = torch.diff(offset, prepend=offset.new_zeros(1))
-    event_sums = point_loss.new_zeros(len(offset)).index_add_(0, offset_to_batch_index(offset), point_loss)
+    event_index = offset_to_batch_index(offset, len(point_loss))
+    event_sums = point_loss.new_zeros(len(offset)).index_add_(0, event_index, point_loss)
     event_losses = event_sums / counts
     return event_losses.mean(), event_losses
 
@@ -68,7 +69,7 @@ class Interrupted(Exception):
 class Trainer:
     """Builds data, model, strategy and optimizer from a resolved config and runs epochs."""
 
-    def __init__(self, cfg: dict, run_dir: Path, env: DistEnv) -> None:
+    def __init__(self, cfg: dict, run_dir: Path, env: DistEnv, stop: StopRequest | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.env = env
@@ -117,7 +118,9 @@ class Trainer:
             kill_during_save_at_step=debug.get("kill_during_checkpoint_at_step"),
         )
         self.checkpoint_every = cfg.get("checkpoint_every_n_steps")
-        self.stop = StopRequest()
+        self.stop = stop or StopRequest()
+        if env.distributed:  # stop flags on a CPU group of their own: reading one never syncs the device
+            self.stop.use_group(torch.distributed.new_group(backend="gloo"))
         self.provenance = Provenance(run_dir, env.is_main)
 
     # -- setup -----------------------------------------------------------------------------
@@ -129,6 +132,7 @@ class Trainer:
             batch_sampler=batch_sampler,
             num_workers=workers,
             collate_fn=collate_events,
+            worker_init_fn=ignore_stop_signals if workers > 0 else None,
             pin_memory=self.env.device.type == "cuda",
             persistent_workers=workers > 0,
             prefetch_factor=4 if workers > 0 else None,
@@ -199,6 +203,8 @@ class Trainer:
                 final = self.evaluate()
                 self._save_best(final)
             self.save_checkpoint()
+            if not last and self.stop.agreed_now():  # a signal during validation or the epoch's end
+                self._stop_with_checkpoint()
         self.stop.drain()
         self.checkpoints.wait()
         self.metrics.close()
@@ -220,9 +226,8 @@ class Trainer:
             return str(weight), "fresh"
         if not resume:
             return None, "fresh"
-        self.checkpoints.clean_stale_staging()
-        barrier()
-        found = self.checkpoints.resumable()
+        # rank 0 finishes interrupted writes and lists; every rank then tries the same list in order
+        found = self.checkpoints.resume_candidates()
         if not found:
             log.warning("resume: no checkpoint in %s yet; starting from step 0", self.run_dir / "model")
             return None, "fresh"
@@ -275,7 +280,16 @@ class Trainer:
             "strategy": self.strategy.name,
             "config_hash": config_hash(self.cfg),
             "data": data,
+            "launch": self._launch_facts(),
         }
+
+    def _launch_facts(self) -> dict:
+        """What `pimm launch` was asked for this time (overrides, resume and what it changed)."""
+        try:
+            launch = json.loads((self.run_dir / "launch.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: launch.get(k) for k in ("overrides", "resumed", "resume_changes", "nproc_per_node", "nnodes")}
 
     def _start_facts(self, resumed_from: str | None, cursor: str) -> dict:
         facts = {"resumed_from": resumed_from, "start_step": self.state.step, "cursor": cursor}
@@ -309,19 +323,27 @@ class Trainer:
                 window_start = time.perf_counter()
             if self.checkpoint_every and self.state.step % int(self.checkpoint_every) == 0:
                 self.save_checkpoint()
-            if self.stop.agreed(self.env.device) or self._interrupt_at == self.state.step:
+            if self.stop.agreed() or self._interrupt_at == self.state.step:
                 if progress is not None:
                     progress.close()
-                self.stop.drain()
-                reason = self.stop.signal_name or "debug.interrupt_at_step"
-                self.stop.signal_name = reason
-                log.warning("stop requested (%s): writing a checkpoint at step %d", reason, self.state.step)
-                self.save_checkpoint(blocking=True)
-                raise Interrupted(reason)
+                self._stop_with_checkpoint()
             if self.state.step >= self.total_steps:
                 break
         if progress is not None:
             progress.close()
+
+    def _stop_with_checkpoint(self) -> None:
+        """Every rank at the same step: write a complete checkpoint, wait until rank 0 has promoted
+        it (no rank may exit earlier: torchrun would take that exit for a failure and kill the
+        others mid-write), then raise Interrupted."""
+        self.stop.drain()
+        reason = self.stop.signal_name or "debug.interrupt_at_step"
+        self.stop.signal_name = reason
+        log.warning("stop requested (%s): writing a checkpoint at step %d", reason, self.state.step)
+        self.save_checkpoint(blocking=True)
+        barrier()
+        ignore_further_stop_signals()  # the checkpoint is complete; repeats must not cut the exit short
+        raise Interrupted(reason)
 
     def _train_step(self, batch: dict) -> torch.Tensor:
         device = self.env.device

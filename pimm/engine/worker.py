@@ -30,14 +30,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight", help="warm start from these weights")
     args = parser.parse_args(argv)
     run_dir: Path = args.run_dir
+    if not (run_dir / "config.py").is_file():  # before logging creates run_dir/logs
+        from pimm.errors import EXIT_BAD_INPUT
+
+        print(f"pimm.engine.worker: error: {run_dir / 'config.py'} does not exist: the run directory was not "
+              "prepared. Start runs with `pimm launch` (without --dry-run), which writes it before it runs torchrun",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
     rank = int(os.environ.get("RANK", 0))
+    from pimm.signals import StopRequest, die_with_parent, tell_launcher_to_stop
+
+    die_with_parent()  # no rank outlives torchrun
+    stop = StopRequest()
+    stop.install()  # from the first moment: a stop signal during start-up is honoured at step 1
 
     from pimm.engine.logs import setup_logging
 
     log = setup_logging(run_dir / "logs", rank)
     try:
         from pimm.config import load_config
-        from pimm.config.required import check_config
+        from pimm.config.validate import check_config
         from pimm.distributed.env import destroy_distributed, init_distributed
         from pimm.engine.trainer import Interrupted, Trainer
         from pimm.errors import EXIT_CHECKPOINTED
@@ -47,12 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(run_dir / "config.py")
         check_config(cfg)
         env = init_distributed()
-        trainer = Trainer(cfg, run_dir, env)
+        trainer = Trainer(cfg, run_dir, env, stop=stop)
         # after a torchrun restart, continue from the last complete checkpoint of this run
         try:
             trainer.fit(resume=args.resume or restart > 0, weight=None if restart else args.weight)
         except Interrupted:
             destroy_distributed()
+            tell_launcher_to_stop()  # torchrun must shut down, not restart, after a stop
             return EXIT_CHECKPOINTED
         destroy_distributed()
         return 0

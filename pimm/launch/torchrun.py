@@ -7,19 +7,23 @@ error, so pimm prints one line per failed rank instead.
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 
+import torch.distributed.elastic.multiprocessing.api as elastic_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from pimm.signals import handle_once
+
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    # Slurm's warning signal: torchrun would die of it; treat it as the SIGTERM torchrun forwards
-    signal.signal(signal.SIGUSR1, lambda _s, _f: os.kill(os.getpid(), signal.SIGTERM))
+    if "SIGUSR1" not in args.signals_to_handle:
+        args.signals_to_handle += ",SIGUSR1"
+    # the first signal starts the graceful shutdown; a repeat (the same signal sent to the whole
+    # job, or forwarded by pimm launch) would otherwise abort it and orphan the workers
+    elastic_api._terminate_process_handler = handle_once(elastic_api._terminate_process_handler)
     try:
         run(args)
     except SignalException as exc:

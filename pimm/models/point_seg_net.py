@@ -14,15 +14,26 @@ from torch import nn
 from pimm.data.collate import offset_to_batch_index
 
 
-def voxel_clusters(coord: torch.Tensor, batch_index: torch.Tensor, grid_size: float) -> tuple[torch.Tensor, int]:
-    """Cluster id per point for voxels of edge `grid_size`, never mixing events; returns (ids, count)."""
+def voxel_clusters(
+    coord: torch.Tensor, batch_index: torch.Tensor, grid_size: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Voxels of edge `grid_size`, never mixing events -> (cluster id per point, points per cluster)."""
     cell = torch.div(coord, grid_size, rounding_mode="floor").long()
     cell = cell - cell.min(dim=0).values
     extent = cell.max(dim=0).values + 1
     # one int64 key per (event, voxel): cheaper to unique than rows of a 2-D tensor
     key = ((batch_index * extent[0] + cell[:, 0]) * extent[1] + cell[:, 1]) * extent[2] + cell[:, 2]
-    _, cluster = torch.unique(key, return_inverse=True)
-    return cluster, int(cluster.max()) + 1
+    # the counts come with the unique for free (and no host sync for the number of clusters)
+    _, cluster, counts = torch.unique(key, return_inverse=True, return_counts=True)
+    return cluster, counts
+
+
+def voxel_mean(features: torch.Tensor, cluster: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Mean of `features` over each point's voxel, computed in float32 whatever the autocast dtype
+    (in bf16 a count saturates at 256 and a sum of thousands of points loses its low digits)."""
+    summed = features.new_zeros(len(counts), features.shape[1], dtype=torch.float32)
+    summed.index_add_(0, cluster, features.float())
+    return (summed / counts.unsqueeze(1))[cluster].to(features.dtype)
 
 
 class Block(nn.Module):
@@ -38,13 +49,10 @@ class Block(nn.Module):
             nn.Linear(expansion * channels, channels),
         )
 
-    def forward(self, x: torch.Tensor, cluster: torch.Tensor, num_clusters: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cluster: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
-        ctx = self.context(h)
-        summed = ctx.new_zeros(num_clusters, ctx.shape[1]).index_add_(0, cluster, ctx)
-        count = ctx.new_zeros(num_clusters).index_add_(0, cluster, ctx.new_ones(cluster.shape[0]))
-        pooled = (summed / count.unsqueeze(1))[cluster]
-        return x + self.mlp(torch.cat([h, pooled], dim=1))
+        pooled = voxel_mean(self.context(h), cluster, counts)
+        return x + self.mlp(torch.cat([h, pooled.to(h.dtype)], dim=1))
 
 
 class PointSegNet(nn.Module):
@@ -66,7 +74,7 @@ class PointSegNet(nn.Module):
 
     def forward(self, coord: torch.Tensor, feat: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         """coord (N,3), feat (N,C_in), offset (B,) cumulative counts -> logits (N, num_classes)."""
-        batch_index = offset_to_batch_index(offset)
+        batch_index = offset_to_batch_index(offset, len(coord))
         clusters = {g: voxel_clusters(coord, batch_index, g) for g in set(self.grid_sizes)}
         x = self.stem(feat)
         for grid_size, block in zip(self.grid_sizes, self.blocks):

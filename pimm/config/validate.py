@@ -1,0 +1,177 @@
+"""Check a resolved config before any process starts: required keys, types, ranges, known names.
+
+The launcher runs `check_config` (without importing torch) before it creates a run directory,
+and every worker runs it again on the config.py it reads. The per-key checks are one table,
+`RULES`; the checks that relate two keys follow it. Batch sizes and workers are checked
+against the world size in `pimm.distributed.batch`, data files in `pimm.data.event_file`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pimm import names
+from pimm.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a value must be: `allowed` says it for people, `ok` tests it."""
+
+    allowed: str
+    ok: Callable[[Any], bool]
+    choices: tuple[str, ...] = ()  # known names, for a "did you mean"
+    notes: dict[str, str] = field(default_factory=dict)  # a refused value -> why that one is refused
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def integer(minimum: int, why: str = "") -> Rule:
+    return Rule(f"an integer >= {minimum}{why}", lambda v: _is_int(v) and v >= minimum)
+
+
+def number(minimum: float, strict: bool) -> Rule:
+    if strict:
+        return Rule(f"a finite number > {minimum:g}", lambda v: _is_number(v) and v > minimum)
+    return Rule(f"a finite number >= {minimum:g}", lambda v: _is_number(v) and v >= minimum)
+
+
+def optional(rule: Rule, meaning: str) -> Rule:
+    return Rule(f"{rule.allowed}, or None ({meaning})", lambda v: v is None or rule.ok(v), rule.choices, rule.notes)
+
+
+def one_of(choices: tuple[str, ...], notes: dict[str, str] | None = None) -> Rule:
+    return Rule(f"one of {', '.join(choices)}", lambda v: isinstance(v, str) and v in choices, choices, notes or {})
+
+
+def component(kind: str, choices: tuple[str, ...]) -> Rule:
+    return Rule(f"dict(type=..., ...) for a {kind} ({', '.join(choices)})", lambda v: isinstance(v, dict))
+
+
+ANY = Rule("set", lambda v: True)
+BOOL = Rule("true or false", lambda v: isinstance(v, bool))
+DICT = Rule("a dict", lambda v: isinstance(v, dict))
+CLASS_NAMES = Rule(
+    "None or a list of class names (strings)",
+    lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(n, str) for n in v)),
+)
+SPLITS = ("train", "val", "test")
+_DATASET = component("dataset", names.DATASETS)
+_SPLIT = {  # data.<split>.<key>
+    "type": one_of(names.DATASETS),
+    "path": Rule("a path to a pimm event file (.h5)", lambda v: isinstance(v, str) and v.strip() != ""),
+    "max_len": optional(integer(1), "all events"),
+    "augment": BOOL,
+}
+REQUIRED, OPTIONAL = True, False
+
+# (dotted key, required, rule), parents before children. A nested key is looked at only when its
+# parent is a dict (so `scheduler=None` skips scheduler.type); `required` keys must then be present.
+RULES: tuple[tuple[str, bool, Rule], ...] = (
+    ("seed", REQUIRED, integer(0)),
+    ("epochs", REQUIRED, integer(1)),
+    ("max_steps", OPTIONAL, optional(integer(1), "run all epochs")),
+    ("batch_size", REQUIRED, ANY),  # checked with the world size in pimm.distributed.batch
+    ("log_every", REQUIRED, integer(1)),
+    ("eval_every_epochs", REQUIRED, integer(1)),
+    ("log_event_ids", OPTIONAL, BOOL),
+    ("model", REQUIRED, component("model", names.MODELS)),
+    ("model.type", REQUIRED, one_of(names.MODELS)),
+    ("model.num_classes", OPTIONAL, integer(2)),
+    ("optimizer", REQUIRED, component("optimizer", names.OPTIMIZERS)),
+    ("optimizer.type", REQUIRED, one_of(names.OPTIMIZERS)),
+    # >= 0, not > 0: lr=0 keeps the initial weights on purpose (tests compare 1- and 2-rank evaluation)
+    ("optimizer.lr", OPTIONAL, number(0, strict=False)),
+    ("optimizer.weight_decay", OPTIONAL, number(0, strict=False)),
+    ("scheduler", OPTIONAL, optional(component("scheduler", names.SCHEDULERS), "a constant learning rate")),
+    ("scheduler.type", REQUIRED, one_of(names.SCHEDULERS)),
+    ("clip_grad", OPTIONAL, optional(number(0, strict=True), "no clipping")),
+    ("amp", OPTIONAL, optional(DICT, "no autocast")),
+    ("amp.enabled", OPTIONAL, BOOL),
+    ("amp.dtype", OPTIONAL, one_of(names.AMP_DTYPES, notes={
+        "float16": "pimm does not use a GradScaler, so float16 autocast would underflow gradients: use bfloat16",
+    })),
+    ("parallel", OPTIONAL, optional(DICT, "dict(strategy='ddp')")),
+    ("parallel.strategy", OPTIONAL, one_of(names.PARALLEL_STRATEGIES)),
+    ("find_unused_parameters", OPTIONAL, BOOL),
+    ("sync_bn", OPTIONAL, BOOL),
+    ("data", REQUIRED, DICT),
+    ("data.num_classes", REQUIRED, integer(2)),
+    ("data.names", OPTIONAL, CLASS_NAMES),
+    ("data.train", REQUIRED, _DATASET),
+    ("data.val", OPTIONAL, optional(_DATASET, "no validation")),
+    ("data.test", OPTIONAL, optional(_DATASET, "no test set")),
+    *((f"data.{split}.{key}", key in ("type", "path"), rule) for split in SPLITS for key, rule in _SPLIT.items()),
+    ("checkpoint_every_n_steps", OPTIONAL, optional(integer(1), "at the end of every epoch only")),
+    ("checkpoint_async", REQUIRED, BOOL),
+    ("checkpoint_keep_last", REQUIRED, integer(2, " (the older one is the fallback when the newest is corrupt)")),
+    ("save_iter_snapshots", OPTIONAL, BOOL),
+    ("resume_strict_state", OPTIONAL, BOOL),
+)
+
+_MISSING = object()
+_NUMBER_TEXT = re.compile(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*")
+
+
+def _lookup(cfg: dict, key: str) -> tuple[bool, Any]:
+    """(parent is a dict, value or _MISSING) for a dotted key."""
+    *parents, last = key.split(".")
+    node: Any = cfg
+    for part in parents:
+        node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+    if not isinstance(node, dict):
+        return False, _MISSING
+    return True, node.get(last, _MISSING)
+
+
+def _refusal(key: str, value: Any, rule: Rule) -> ConfigError:
+    why = rule.notes.get(value) if isinstance(value, str) else None
+    if why:
+        return ConfigError(f"{key}={value!r} is not supported: {why} (allowed: {rule.allowed})")
+    msg = f"{key}={value!r:.80} is not allowed: {key} must be {rule.allowed}"
+    if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value):
+        msg += " (the value is a quoted string; write the number without quotes)"
+    close = difflib.get_close_matches(value, rule.choices, n=1) if isinstance(value, str) and rule.choices else []
+    msg += f"; did you mean {close[0]!r}?" if close else "."
+    return ConfigError(f"{msg} Fix it in the config or override it: -- {key}=<value>")
+
+
+def check_config(cfg: dict) -> None:
+    """Raise ConfigError for the first config value that training cannot use: a missing required
+    key, a wrong type, a value out of range, an unknown component name or two keys that disagree."""
+    for key, required, rule in RULES:
+        parent_is_dict, value = _lookup(cfg, key)
+        if value is _MISSING:
+            if required and parent_is_dict:
+                raise ConfigError(
+                    f"config is missing '{key}', which must be {rule.allowed}; the defaults are in "
+                    "configs/_base_/default_runtime.py (inherit it with _base_ = ['../_base_/default_runtime.py'])"
+                )
+            continue
+        if not rule.ok(value):
+            raise _refusal(key, value, rule)
+
+    data, model = cfg["data"], cfg["model"]
+    num_classes = data["num_classes"]
+    if "num_classes" in model and model["num_classes"] != num_classes:
+        raise ConfigError(
+            f"data.num_classes={num_classes} but model.num_classes={model['num_classes']}: the model must "
+            "output one score per class of the data; set both to the same value"
+        )
+    class_names = data.get("names")
+    if class_names is not None and len(class_names) != num_classes:
+        raise ConfigError(
+            f"data.names has {len(class_names)} entries {list(class_names)} but data.num_classes={num_classes}; "
+            "give one name per class, or data.names=None"
+        )

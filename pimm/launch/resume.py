@@ -1,0 +1,164 @@
+"""`--train.resume`: continue a run as it was launched.
+
+The run's own resolved config (`<run>/config.py`) and launch facts (`<run>/launch.json`: processes
+per node, nodes, restarts) are the defaults; `-- key=value` overrides and explicit --resources
+flags apply on top. A change that cannot work is refused here, before any process starts:
+  - model parameters (names or shapes) that no longer match the checkpoint;
+  - optimizer or scheduler settings (their saved state would silently win over the new values);
+  - a new length for a schedule whose length is fixed at the start (OneCycleLR, CosineAnnealingLR
+    derive it from epochs x steps per epoch; the old length would end or distort the run).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from pimm.errors import ConfigError, LaunchError
+
+
+@dataclass
+class SavedRun:
+    run_dir: Path
+    cfg: dict
+    launch: dict  # launch.json of the latest launch ({} for runs older than launch.json)
+
+    @property
+    def config_name(self) -> str:
+        return self.launch.get("config") or f"{self.run_dir.parent.name}/{self.run_dir.name}"
+
+
+def load_saved_run(run_dir: Path) -> SavedRun:
+    """The run's resolved config and launch facts; LaunchError when `run_dir` is not a pimm run."""
+    from pimm.config import load_config
+
+    if not run_dir.is_dir():
+        raise LaunchError(
+            f"cannot resume: run directory {run_dir} does not exist (looked for {run_dir.absolute()}); "
+            "give the run directory (--train.resume exp/<group>/<run>) or check --run.name and --paths.exp-root"
+        )
+    if not (run_dir / "config.py").is_file():
+        raise LaunchError(
+            f"cannot resume: {run_dir} has no config.py, so it is not a pimm run directory (or its first "
+            "launch failed before it started); start a new run instead"
+        )
+    try:
+        launch = json.loads((run_dir / "launch.json").read_text())
+    except (OSError, ValueError):
+        launch = {}
+    return SavedRun(run_dir, load_config(run_dir / "config.py"), launch)
+
+
+def leaf_values(cfg: dict, prefix: str = "") -> dict:
+    """dotted key -> value for every non-dict value of a nested config."""
+    out: dict = {}
+    for key, value in cfg.items():
+        if isinstance(value, dict):
+            out.update(leaf_values(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def changed_keys(saved: dict, cfg: dict) -> dict[str, tuple]:
+    """dotted key -> (value in the run, value now) for every key that differs."""
+    old, new = leaf_values(saved), leaf_values(cfg)
+    return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+
+
+def check_resume_changes(saved: SavedRun, cfg: dict) -> dict[str, tuple]:
+    """Refuse (ConfigError) a resume whose config cannot continue the run; returns the changes."""
+    changes = changed_keys(saved.cfg, cfg)
+    if not changes:
+        return changes
+    restart_hint = (
+        f"or start a new run from this one's weights: pimm launch --train.config {saved.config_name} "
+        f"--train.weight {saved.run_dir / 'model' / 'last'} -- <key>=<value>"
+    )
+    for key, (old, new) in changes.items():
+        if key.split(".")[0] in ("optimizer", "scheduler"):
+            raise ConfigError(
+                f"{key}: {old!r} in the run, {new!r} now: a resume restores the saved {key.split('.')[0]} state, "
+                f"so this change would not take effect; resume without it, {restart_hint}"
+            )
+    model_keys = [k for k in changes if k.split(".")[0] == "model" or k == "data.num_classes"]
+    if model_keys:
+        problem = _parameter_mismatch(saved.cfg["model"], cfg["model"])
+        if problem:
+            key = model_keys[0]
+            old, new = changes[key]
+            raise ConfigError(
+                f"{key}: {old!r} in the run, {new!r} now: the model's parameters no longer match the "
+                f"checkpoint ({problem}); resume without it, {restart_hint}"
+            )
+    _check_schedule_length(saved, cfg, changes, restart_hint)
+    return changes
+
+
+def _parameter_mismatch(old_model: dict, new_model: dict) -> str | None:
+    """A short description of how the two models' parameters differ, None when they match.
+    (Builds both on the meta device: no memory, no weights.)"""
+    import torch
+
+    from pimm.models import build_model
+
+    with torch.device("meta"):
+        old = {k: tuple(v.shape) for k, v in build_model(old_model).state_dict().items()}
+        new = {k: tuple(v.shape) for k, v in build_model(new_model).state_dict().items()}
+    missing, extra = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
+    reshaped = [k for k in old.keys() & new.keys() if old[k] != new[k]]
+    parts = []
+    if reshaped:
+        k = sorted(reshaped)[0]
+        parts.append(f"{len(reshaped)} with a new shape, e.g. {k} {list(old[k])} -> {list(new[k])}")
+    if missing:
+        parts.append(f"{len(missing)} gone, e.g. {missing[0]}")
+    if extra:
+        parts.append(f"{len(extra)} new, e.g. {extra[0]}")
+    return "; ".join(parts) or None
+
+
+def _train_events(cfg: dict) -> int:
+    from pimm.data.event_file import validate_event_file
+
+    train = cfg["data"]["train"]
+    events = validate_event_file(train["path"])["num_events"]
+    return min(events, train["max_len"]) if train.get("max_len") else events
+
+
+def _check_schedule_length(saved: SavedRun, cfg: dict, changes: dict, restart_hint: str) -> None:
+    length_inputs = [k for k in changes if k in ("epochs", "batch_size", "data.train.path", "data.train.max_len")]
+    scheduler = cfg.get("scheduler")
+    if not length_inputs or not scheduler:
+        return
+    from pimm.engine.optim import SCHEDULE_LENGTH_KEY
+
+    length_key = SCHEDULE_LENGTH_KEY.get(scheduler.get("type"))
+    if length_key is None or scheduler.get(length_key) is not None:
+        return  # the schedule's length does not depend on the run's length
+
+    def length(c: dict) -> int:
+        return int(c["epochs"]) * (_train_events(c) // int(c["batch_size"]))
+
+    before, after = length(saved.cfg), length(cfg)
+    if before != after:
+        key = length_inputs[0]
+        old, new = changes[key]
+        raise ConfigError(
+            f"{key}: {old!r} in the run, {new!r} now: this changes the length of the run's {scheduler['type']} "
+            f"schedule ({length_key} {before} -> {after} steps), which is fixed when the run starts; the saved "
+            f"schedule would end or be distorted at the old length. Resume without it (max_steps can stop "
+            f"earlier), {restart_hint}"
+        )
+
+
+def continue_command(run_dir: Path, nproc_per_node: int, nnodes: int, max_restarts: int) -> str:
+    """The exact command that continues `run_dir` as it was launched."""
+    argv = ["pimm", "launch", "--train.resume", str(run_dir), "--resources.nproc-per-node", str(nproc_per_node)]
+    if nnodes != 1:
+        argv += ["--resources.nnodes", str(nnodes)]
+    if max_restarts:
+        argv += ["--resources.max-restarts", str(max_restarts)]
+    return shlex.join(argv)

@@ -1,0 +1,13 @@
+"""The names a config may give in `type=...` and similar keys, without importing torch.
+
+The registries (pimm.engine.optim, pimm.models, pimm.data.dataset, pimm.distributed.strategy)
+register exactly these names, and the launcher's config check (pimm.config.validate) accepts
+exactly these, so a name is added in one place.
+"""
+
+OPTIMIZERS = ("SGD", "Adam", "AdamW")  # torch.optim classes of the same name
+SCHEDULERS = ("OneCycleLR", "CosineAnnealingLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR")
+MODELS = ("PointSegNet",)
+DATASETS = ("LArTPCDataset",)
+PARALLEL_STRATEGIES = ("ddp",)  # used when the world size is > 1
+AMP_DTYPES = ("bfloat16", "float32")  # float16 needs a GradScaler, which pimm does not use
