@@ -88,7 +88,7 @@ def test_signal_checkpoints_and_exits_with_75_then_resume_finishes(tmp_path, tin
     assert proc.returncode == 75, err
     manifest = json.loads((run_dir / "model/last/.complete").read_text())
     last = attempts(run_dir)[-1]
-    assert last["outcome"] == "interrupted by SIGTERM" and last["checkpoint_step"] == manifest["step"] >= 5
+    assert last["outcome"] == f"interrupted by {sig.name}" and last["checkpoint_step"] == manifest["step"] >= 5
     res, run_dir = launch(tmp_path, tiny_data, 2, f"max_steps={manifest['step'] + 3}", name="sig", resume=True)
     assert res.returncode == 0, res.stderr
     assert attempts(run_dir)[-1]["start_step"] == manifest["step"]

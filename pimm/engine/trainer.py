@@ -217,19 +217,20 @@ class Trainer:
     # -- start: fresh, warm start, or resume -----------------------------------------------
 
     def _start(self, resume: bool, weight: str | None) -> tuple[str | None, str]:
-        """Returns (what the run started from, cursor outcome)."""
-        if weight:
-            from pimm.checkpoint.weights import load_weight_file
-
-            self.strategy.load_full_model_state(self.module, load_weight_file(weight))
-            log.info("warm start from weights %s (optimizer, schedule and data order start fresh)", weight)
-            return str(weight), "fresh"
-        if not resume:
-            return None, "fresh"
+        """Returns (what the run started from, cursor outcome). A resume (also after a torchrun
+        restart) continues from the newest usable checkpoint; without one, a warm start (`weight`)
+        loads its weights, so a restart before the first checkpoint keeps the warm start."""
         # rank 0 finishes interrupted writes and lists; every rank then tries the same list in order
-        found = self.checkpoints.resume_candidates()
+        found = self.checkpoints.resume_candidates() if resume else []
         if not found:
-            log.warning("resume: no checkpoint in %s yet; starting from step 0", self.run_dir / "model")
+            if weight:
+                from pimm.checkpoint.weights import load_weight_file
+
+                self.strategy.load_full_model_state(self.module, load_weight_file(weight))
+                log.info("warm start from weights %s (optimizer, schedule and data order start fresh)", weight)
+                return str(weight), "fresh"
+            if resume:
+                log.warning("resume: no checkpoint in %s yet; starting from step 0", self.run_dir / "model")
             return None, "fresh"
         strict = bool(self.cfg.get("resume_strict_state", True))
         problems = []

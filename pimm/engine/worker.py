@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg, run_dir, env, stop=stop)
         # after a torchrun restart, continue from the last complete checkpoint of this run
         try:
-            trainer.fit(resume=args.resume or restart > 0, weight=None if restart else args.weight)
+            trainer.fit(resume=args.resume or restart > 0, weight=args.weight)
         except Interrupted:
             destroy_distributed()
             tell_launcher_to_stop()  # torchrun must shut down, not restart, after a stop

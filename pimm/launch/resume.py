@@ -1,7 +1,8 @@
 """`--train.resume`: continue a run as it was launched.
 
 The run's own resolved config (`<run>/config.py`) and launch facts (`<run>/launch.json`: processes
-per node, nodes, restarts) are the defaults; `-- key=value` overrides and explicit --resources
+per node, nodes, restarts) are the defaults (its `debug.*` fault injection is not: that belongs to
+one launch); `-- key=value` overrides and explicit --resources
 flags apply on top. A change that cannot work is refused here, before any process starts:
   - model parameters (names or shapes) that no longer match the checkpoint;
   - optimizer or scheduler settings (their saved state would silently win over the new values);
@@ -48,7 +49,10 @@ def load_saved_run(run_dir: Path) -> SavedRun:
         launch = json.loads((run_dir / "launch.json").read_text())
     except (OSError, ValueError):
         launch = {}
-    return SavedRun(run_dir, load_config(run_dir / "config.py"), launch)
+    cfg = load_config(run_dir / "config.py")
+    if isinstance(cfg.get("debug"), dict):  # fault injection belongs to one launch, not to the run
+        cfg["debug"] = {key: None for key in cfg["debug"]}
+    return SavedRun(run_dir, cfg, launch)
 
 
 def leaf_values(cfg: dict, prefix: str = "") -> dict:
