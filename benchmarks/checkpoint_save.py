@@ -9,7 +9,6 @@ the whole write (sync: DCP trainer state + weights.pth + manifest + rename). Sin
 from __future__ import annotations
 
 import argparse
-import pickle
 import statistics
 import tempfile
 import time
@@ -19,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from pimm.checkpoint.manager import CheckpointManager, clone_to_cpu
+from pimm.checkpoint.safe_dcp import pack
 from pimm.models import build_model
 
 
@@ -28,7 +28,7 @@ def one_save(manager: CheckpointManager, model, optimizer, step: int, blocking: 
     model_state = clone_to_cpu(model.state_dict())
     dcp_state = {
         "optimizer": clone_to_cpu(get_optimizer_state_dict(model, optimizer)),
-        "trainer": pickle.dumps({"step": step}),
+        "trainer": pack({"step": step}, "the trainer state"),  # as the trainer stores it (format 2)
     }
     manager.save(step, model_state, dcp_state, blocking=blocking)
     blocked = time.perf_counter() - start

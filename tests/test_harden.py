@@ -230,3 +230,25 @@ def test_cuda_device_follows_the_visible_devices_the_scheduler_set(local_rank, v
     assert cuda_device_index(local_rank, visible) == expected
     with pytest.raises(RuntimeError, match="local rank 2 has no GPU: 2 visible"):
         cuda_device_index(2, 2)
+
+
+def test_stop_signal_during_validation_checkpoints_the_epoch_end_step(tmp_path, tiny_data):
+    """A long validation after step 12 (the end of epoch 1); the signal lands while it runs and
+    the run stops at step 12, agreed at the epoch's end, instead of two steps into epoch 2."""
+    from pimm.data.synth import write_dataset
+
+    big_val = write_dataset(tmp_path / "val.h5", 400, seed=5)
+    data = {"train": tiny_data["train"], "val": big_val}
+    proc = start_launch(tmp_path, data, 2, "num_worker=2", "epochs=400", "batch_size_val=2", name="val")
+    run_dir = tmp_path / "tests" / "val"
+    try:
+        wait_for_run(proc, lambda: metrics_lines(run_dir) >= 12)  # step 12's train line: validation begins
+        _signal_all(processes_of(run_dir), signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        kill_run(proc, run_dir)
+    assert proc.returncode == 75, err
+    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["kind"] == "val" and r["step"] == 12 for r in records)  # the validation finished
+    assert max(r["step"] for r in records) == 12
+    assert json.loads((run_dir / "model/last/.complete").read_text())["step"] == 12
