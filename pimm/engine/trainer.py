@@ -119,7 +119,9 @@ class Trainer:
         )
         self.checkpoint_every = cfg.get("checkpoint_every_n_steps")
         self.stop = stop or StopRequest()
-        if env.distributed:  # stop flags on a CPU group of their own: reading one never syncs the device
+        if env.distributed and env.device.type != "cpu":
+            # stop flags on a CPU group of their own: reading one never syncs the device (on CPU
+            # the default gloo group already is one, and a second group costs 2-rank throughput)
             self.stop.use_group(torch.distributed.new_group(backend="gloo"))
         self.provenance = Provenance(run_dir, env.is_main)
 
