@@ -4,6 +4,7 @@ EXIT_FAILED = 1  # training failed on some rank
 EXIT_BAD_INPUT = 2  # found before any process started
 EXIT_CHECKPOINTED = 75  # stopped by SIGTERM/SIGUSR1 after writing a complete checkpoint: resume it
 EXIT_SECOND_SIGNAL = 76  # a second signal: exited at once, the last complete checkpoint is intact
+EXIT_CHAIN_STOPPED = 78  # a Slurm chain job found no checkpoint progress since the previous job: the chain ends
 
 
 class PimmError(Exception):

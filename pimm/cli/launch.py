@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from pimm.errors import EXIT_CHECKPOINTED, LaunchError
+from pimm.errors import LaunchError
+from pimm.launch.run_dir import open_run_dir, write_launch_record
 
 
 def add_parser(sub) -> None:
@@ -62,13 +57,16 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def prepare(args: argparse.Namespace):
-    """Resolve and check everything that can be checked before a process starts -> LaunchPlan."""
+def prepare(args: argparse.Namespace, scheduled: bool = False):
+    """Resolve and check everything that can be checked before a process starts -> LaunchPlan.
+    scheduled: for `pimm submit`, whose rendezvous is decided in the job (pimm.launch.slurm_job)."""
     from pimm.cli.paths import config_roots
     from pimm.config import apply_overrides, load_config, parse_overrides, resolve_config_path
     from pimm.config.validate import check_config
     from pimm.launch.plan import make_plan, run_directory
+    from pimm.launch.slurm import SlurmStep
 
+    step = getattr(args, "slurm_step", None)
     if args.resume:
         from pimm.launch.resume import check_resume_changes, load_saved_run
 
@@ -98,10 +96,32 @@ def prepare(args: argparse.Namespace):
         cfg = apply_overrides(load_config(config_path), parse_overrides(args.overrides))
         check_config(cfg)
         config_name = args.config.removesuffix(".py")
-        run_dir = run_directory(args.exp_root, config_name, args.run_name, args.timestamp)
         args.nproc_per_node = args.nproc_per_node or "1"
         args.nnodes = 1 if args.nnodes is None else args.nnodes
         args.max_restarts = 0 if args.max_restarts is None else args.max_restarts
+        if not scheduled and step is None and args.nnodes > 1:
+            step = SlurmStep.from_env()
+        if args.nnodes > 1 and step is None and args.timestamp and args.rdzv_endpoint and not scheduled:
+            raise LaunchError(
+                f"--resources.nnodes {args.nnodes} outside Slurm: every node must name the same run directory; "
+                "pass the same --run.name NAME --run.no-timestamp on every node (or run under Slurm: pimm submit)"
+            )
+        run_dir = run_directory(args.exp_root, config_name, args.run_name, args.timestamp,
+                                job_tag=step.tag if step else None)
+    rdzv_id = None
+    if scheduled:
+        args.rdzv_endpoint, rdzv_id = "<first node of the job>:<port from the job id>", "$SLURM_JOB_ID"
+    elif args.nnodes > 1 and args.rdzv_endpoint is None:
+        step = step or SlurmStep.from_env()
+        if step is not None:  # inside an allocation: the rendezvous comes from the Slurm step
+            step.check_one_task_per_node(args.nnodes)
+            args.rdzv_endpoint, rdzv_id = step.rendezvous_endpoint(), step.tag
+    if args.nnodes > 1 and args.rdzv_endpoint and step is None and args.node_rank is None and not scheduled:
+        raise LaunchError(
+            f"--resources.nnodes {args.nnodes} outside Slurm needs --resources.node-rank R on every node "
+            "(0 on the node that writes the run directory, 1..nnodes-1 on the others)"
+        )
+    args.slurm_step = step
     if args.weight:  # imports torch, only here: missing, incomplete or other-model weights fail now, not in a rank
         from pimm.checkpoint.weights import check_weights_fit
 
@@ -111,6 +131,7 @@ def prepare(args: argparse.Namespace):
         rdzv_endpoint=args.rdzv_endpoint, node_rank=args.node_rank,
         max_restarts=args.max_restarts, overrides=args.overrides,
         resume=bool(args.resume), weight=str(Path(args.weight).resolve()) if args.weight else None,
+        gpus=getattr(args, "gpus", None), rdzv_id=rdzv_id,
     )
 
 
@@ -149,126 +170,39 @@ def run(args: argparse.Namespace) -> int:
               f"{plan.run_dir / 'config.py'} and launch.json, then runs the torchrun command above: it is shown "
               "for inspection, not for pasting.")
         return 0
-    check_data(plan.cfg, plan.batches.global_batch_size)
+    from pimm.launch import node
+
+    step = args.slurm_step
+    node_rank = step.node_id if step is not None else (args.node_rank or 0)
+    tag = step.tag if step is not None else f"manual-{plan.rdzv_endpoint}".replace(":", "_")
+    if node_rank > 0:  # node 0 writes the run directory; this node waits for it and runs its ranks
+        facts = node.wait_for_announcement(plan.run_dir, tag)
+        if facts.get("config_hash") != _config_hash(plan.cfg):
+            raise LaunchError(f"node {node_rank} resolved a different config than node 0 (config hash "
+                              f"{_config_hash(plan.cfg)} vs {facts.get('config_hash')}): every node must be given "
+                              "the same config, overrides and files")
+        return node.train_on_this_node(plan, None, node_rank)
+    try:
+        check_data(plan.cfg, plan.batches.global_batch_size)
+        lock = open_run_dir(plan)
+    except LaunchError as exc:
+        if plan.nnodes > 1:
+            node.announce_refusal(plan.run_dir, tag, str(exc))
+        raise
+    try:
+        write_launch_record(plan, getattr(args, "resume_changes", None))
+        print(plan.describe(), flush=True)
+        shutil.rmtree(plan.run_dir / "errors", ignore_errors=True)  # errors of an earlier attempt
+        if plan.nnodes > 1:
+            node.announce(plan.run_dir, tag, config_hash=_config_hash(plan.cfg))
+        return node.train_on_this_node(plan, lock.fd)
+    finally:
+        lock.release()
+        if plan.nnodes > 1:
+            node.withdraw(plan.run_dir, tag)
+
+
+def _config_hash(cfg: dict) -> str:
     from pimm.config import config_hash
 
-    run_dir = plan.run_dir
-    lock = _prepare_run_dir(plan)
-    try:
-        launch_record = {
-            "config": plan.config_name, "config_path": str(plan.config_path), "overrides": plan.overrides,
-            "resumed": plan.resume, "resume_changes": getattr(args, "resume_changes", None) or {},
-            "config_hash": config_hash(plan.cfg), "world_size": plan.world_size, "nnodes": plan.nnodes,
-            "nproc_per_node": plan.nproc_per_node, "max_restarts": plan.max_restarts,
-            "device_type": plan.device_type, "batches": plan.batches.as_dict(), "command": plan.torchrun_argv(),
-        }
-        (run_dir / "launch.json").write_text(json.dumps(launch_record, indent=2))
-        print(plan.describe(), flush=True)
-        shutil.rmtree(run_dir / "errors", ignore_errors=True)  # errors of an earlier attempt
-        attempts_before = len(_attempts(run_dir))
-        returncode = _run_torchrun(plan.torchrun_argv(), lock.fd)
-    finally:
-        lock.release()
-    attempts = _attempts(run_dir)[attempts_before:]
-    outcome = attempts[-1].get("outcome", "unknown") if attempts else "unknown"
-    if outcome.startswith("interrupted"):
-        return _report_interrupted(plan, outcome)
-    if returncode != 0:
-        _report_failure(run_dir, returncode)
-        return returncode
-    _report_success(run_dir)
-    return 0
-
-
-def _prepare_run_dir(plan):
-    """A new run gets a new directory (created atomically: of two launches of one name, the
-    second is refused); a resumed run must exist. Either way the run lock is taken before
-    anything is written, and returned. The resolved config is written as config.py; a resume
-    with a different config keeps the old one beside it."""
-    from pimm.checkpoint.layout import resumable
-    from pimm.config import config_hash, dump_config, load_config
-    from pimm.launch.run_lock import RunLock
-
-    run_dir = plan.run_dir
-    if not plan.resume:
-        run_dir.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            run_dir.mkdir()
-        except FileExistsError:
-            raise LaunchError(
-                f"run directory {run_dir} already exists; resume it with --train.resume {run_dir}, "
-                "or choose another --run.name"
-            ) from None
-    lock = RunLock(run_dir).acquire()
-    try:
-        if plan.resume:
-            resumable(run_dir / "model")  # 'Incomplete checkpoint directory ...' before any process starts
-            previous = run_dir / "config.py"
-            if previous.exists() and config_hash(load_config(previous)) != config_hash(plan.cfg):
-                kept = run_dir / f"config.before-{time.strftime('%Y%m%d-%H%M%S')}.py"
-                previous.replace(kept)
-                print(f"pimm: the config differs from the run's previous one (kept as {kept})", flush=True)
-        dump_config(plan.cfg, run_dir / "config.py")
-    except BaseException:
-        lock.release()
-        raise
-    return lock
-
-
-def _attempts(run_dir: Path) -> list[dict]:
-    try:
-        return json.loads((run_dir / "provenance.json").read_text())["attempts"]
-    except (OSError, ValueError, KeyError):
-        return []
-
-
-def _report_interrupted(plan, outcome: str) -> int:
-    from pimm.launch.resume import continue_command
-
-    command = continue_command(plan.run_dir, plan.nproc_per_node, plan.nnodes, plan.max_restarts)
-    print(f"\npimm: {outcome}; a complete checkpoint is in {plan.run_dir / 'model' / 'last'}", file=sys.stderr)
-    print(f"pimm: continue with: {command}", file=sys.stderr)
-    return EXIT_CHECKPOINTED
-
-
-def _run_torchrun(argv: list[str], lock_fd: int) -> int:
-    """Run torchrun (see pimm.signals for who handles which signal): it dies with pimm launch,
-    holds the run lock as long as it lives, and gets SIGTERM for a SIGTERM or SIGUSR1 sent here."""
-    from pimm.signals import die_with_parent, forward_stop_signals
-
-    env = dict(os.environ)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    # preexec_fn is safe here: pimm launch runs no threads
-    proc = subprocess.Popen(argv, env=env, pass_fds=(lock_fd,), preexec_fn=die_with_parent)  # noqa: PLW1509
-    previous = forward_stop_signals(proc)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:  # the terminal sent SIGINT to the whole group; let torchrun finish
-        return proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _report_failure(run_dir: Path, returncode: int) -> None:
-    errors = sorted((run_dir / "errors").glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
-    print(f"\npimm: training failed (torchrun exit status {returncode})", file=sys.stderr)
-    for path in errors:
-        print(f"pimm: {path.stem.replace('rank', 'rank ')} failed: {path.read_text().strip()}", file=sys.stderr)
-    if not errors:
-        print(f"pimm: no rank reported an error; see the logs in {run_dir / 'logs'}", file=sys.stderr)
-
-
-def _report_success(run_dir: Path) -> None:
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    final = summary.get("final_val") or {}
-    print("\npimm: training finished")
-    if final:
-        print(f"  validation mIoU  {final['miou']:.4f} (loss {final['loss']:.4f}, {final['events']} events)")
-    print(f"  run directory    {run_dir}")
-    print(f"  config           {run_dir / 'config.py'}")
-    print(f"  logs             {run_dir / 'logs'}/rank*.log")
-    print(f"  metrics          {run_dir / 'metrics.jsonl'}")
-    print(f"  plot             {run_dir / 'plot.png'}")
-    print(f"  checkpoint       {run_dir / 'model' / 'last'}")
+    return config_hash(cfg)

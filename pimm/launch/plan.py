@@ -1,5 +1,6 @@
-"""The launch description: one object that `pimm launch` turns into a torchrun command
-(and that `pimm submit` will render into a Slurm script)."""
+"""The launch description: one object that `pimm launch` turns into a torchrun command and that
+`pimm submit` renders into a Slurm script (pimm.launch.sbatch), whose node agents read it back
+from the run directory (plan_from_run)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class LaunchPlan:
     overrides: list[str] = field(default_factory=list)
     resume: bool = False
     weight: str | None = None
+    rdzv_id: str | None = None  # default: the run directory's name
 
     @property
     def world_size(self) -> int:
@@ -49,7 +51,7 @@ class LaunchPlan:
             argv.append("--standalone")  # c10d rendezvous on a free local port
         else:
             argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", str(self.rdzv_endpoint)]
-            argv += ["--rdzv-id", self.run_dir.name]
+            argv += ["--rdzv-id", self.rdzv_id or self.run_dir.name]
             if self.node_rank is not None:
                 argv += ["--node-rank", str(self.node_rank)]
         argv += ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc_per_node)]
@@ -107,13 +109,17 @@ def resolve_nproc(requested: str, gpus: int) -> int:
     return nproc
 
 
-def run_directory(exp_root: Path, config_name: str, run_name: str | None, timestamp: bool) -> Path:
-    """exp/<group>/<run>: group from the config's folder, run from --run.name or the config's name."""
+def run_directory(
+    exp_root: Path, config_name: str, run_name: str | None, timestamp: bool, job_tag: str | None = None
+) -> Path:
+    """exp/<group>/<run>: group from the config's folder, run from --run.name or the config's name,
+    suffixed (unless timestamp is False) with the Slurm job step (job_tag: the same on every node)
+    or else the time."""
     parts = Path(config_name).with_suffix("").parts
     group = parts[-2] if len(parts) > 1 else "default"
     name = run_name or parts[-1]
     if timestamp:
-        name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        name = f"{name}-{job_tag or time.strftime('%Y%m%d-%H%M%S')}"
     return exp_root / group / name
 
 
@@ -130,8 +136,11 @@ def make_plan(
     overrides: list[str] | None = None,
     resume: bool = False,
     weight: str | None = None,
+    gpus: int | None = None,
+    rdzv_id: str | None = None,
 ) -> LaunchPlan:
-    """Check the resources against the machine and the config; raise before anything starts."""
+    """Check the resources against the machine and the config; raise before anything starts.
+    gpus: the GPUs per node where the processes will run (None: the ones visible here)."""
     if nnodes < 1:
         raise LaunchError(f"--resources.nnodes must be >= 1, got {nnodes}")
     if nnodes > 1 and not rdzv_endpoint:
@@ -144,7 +153,7 @@ def make_plan(
                           "weight starts a new one from weights only")
     if max_restarts < 0:
         raise LaunchError(f"--resources.max-restarts must be >= 0, got {max_restarts}")
-    gpus = visible_gpus()
+    gpus = visible_gpus() if gpus is None else gpus
     nproc = resolve_nproc(nproc_per_node, gpus)
     batches = plan_batches(cfg, nnodes * nproc)
     return LaunchPlan(
@@ -162,4 +171,25 @@ def make_plan(
         overrides=list(overrides or []),
         resume=resume,
         weight=weight,
+        rdzv_id=rdzv_id,
+    )
+
+
+def plan_from_run(run_dir: Path, rdzv_endpoint: str, rdzv_id: str, resume: bool) -> LaunchPlan:
+    """The plan a node agent runs: the run's own config.py and launch.json as the submitting host
+    wrote them, checked again against the GPUs of this node; resume decided by node 0."""
+    import json
+
+    from pimm.config import load_config
+
+    try:
+        launch = json.loads((run_dir / "launch.json").read_text())
+        cfg = load_config(run_dir / "config.py")
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"{run_dir} is not a prepared run directory (config.py, launch.json): {exc}") from None
+    return make_plan(
+        launch["config"], Path(launch["config_path"]), cfg, str(launch["nproc_per_node"]), int(launch["nnodes"]),
+        run_dir, rdzv_endpoint=rdzv_endpoint, max_restarts=int(launch.get("max_restarts", 0)),
+        overrides=launch.get("overrides"), resume=resume, weight=None if resume else launch.get("weight"),
+        rdzv_id=rdzv_id,
     )

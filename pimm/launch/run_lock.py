@@ -37,7 +37,7 @@ class RunLock:
             os.close(fd)
             raise LaunchError(self._refusal(holder)) from None
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                  "command": " ".join(sys.argv)}
+                  "command": " ".join(sys.argv), "slurm_job": os.environ.get("SLURM_JOB_ID")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
         os.fsync(fd)
@@ -54,6 +54,8 @@ class RunLock:
             who = "another launch (its lock file names no holder yet)"
         else:
             who = f"pid {holder.get('pid')} on host {holder.get('host')}, running since {holder.get('since')}"
+            if holder.get("slurm_job"):
+                who += f" in Slurm job {holder['slurm_job']}"
             if holder.get("command"):
                 who += f" ({holder['command']})"
         return (
