@@ -70,6 +70,7 @@ class Provenance:
             "python": platform.python_version(),
             "host": platform.node(),
             "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "slurm": _slurm_facts(),
             **fields,
         }
         doc["attempts"].append(self.record)
@@ -85,3 +86,12 @@ class Provenance:
 
     def end(self, outcome: str, **fields) -> None:
         self.update(end_time=_now(), outcome=outcome, **fields)
+
+
+def _slurm_facts() -> dict | None:
+    """The Slurm job this attempt ran in (None outside Slurm)."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return None
+    names = {"job_id": "SLURM_JOB_ID", "step_id": "SLURM_STEP_ID", "job_name": "SLURM_JOB_NAME",
+             "nodelist": "SLURM_JOB_NODELIST", "partition": "SLURM_JOB_PARTITION", "account": "SLURM_JOB_ACCOUNT"}
+    return {key: os.environ.get(var) for key, var in names.items()}
