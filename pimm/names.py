@@ -9,5 +9,7 @@ OPTIMIZERS = ("SGD", "Adam", "AdamW")  # torch.optim classes of the same name
 SCHEDULERS = ("OneCycleLR", "CosineAnnealingLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR")
 MODELS = ("PointSegNet",)
 DATASETS = ("LArTPCDataset",)
-PARALLEL_STRATEGIES = ("ddp",)  # used when the world size is > 1
+PARALLEL_STRATEGIES = ("ddp", "fsdp2")  # used when the world size is > 1
+NOT_IMPLEMENTED_STRATEGIES = ("tp", "tensor", "tensor_parallel", "pp", "pipeline", "pipeline_parallel", "fsdp",
+                              "deepspeed", "zero")
 AMP_DTYPES = ("bfloat16", "float32")  # float16 needs a GradScaler, which pimm does not use

@@ -8,7 +8,10 @@ batch_size_val = None  # None: one event per rank
 batch_size_test = None  # None: one event per rank
 num_worker = 0  # global loader workers
 
-parallel = dict(strategy="ddp")  # used when world size > 1
+# used when world size > 1: "ddp" (replicas) or "fsdp2" (fully_shard each wrap_classes module, then
+# the root; reshard_after_forward frees gathered parameters after forward; mixed_precision: bf16
+# compute with fp32 reduction, CUDA only)
+parallel = dict(strategy="ddp", wrap_classes=["Block"], reshard_after_forward=True, mixed_precision=False)
 find_unused_parameters = False
 sync_bn = False  # converts BatchNorm only when distributed on CUDA
 

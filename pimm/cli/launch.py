@@ -122,6 +122,10 @@ def prepare(args: argparse.Namespace, scheduled: bool = False):
             "(0 on the node that writes the run directory, 1..nnodes-1 on the others)"
         )
     args.slurm_step = step
+    if (cfg.get("parallel") or {}).get("strategy") == "fsdp2":  # imports torch: FSDP2 runs only
+        from pimm.distributed.strategy import check_strategy_fits
+
+        check_strategy_fits(cfg)
     if args.weight:  # imports torch, only here: missing, incomplete or other-model weights fail now, not in a rank
         from pimm.checkpoint.weights import check_weights_fit
 

@@ -23,6 +23,8 @@ def _parse_value(raw: str) -> Any:
         return raw  # "key=" means the empty string, not None
     if _EXP_FLOAT.fullmatch(raw.strip()):
         return float(raw)
+    if raw.strip() == "None":  # configs are Python: people write None where YAML says null
+        return None
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:

@@ -103,7 +103,17 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
         "float16": "pimm does not use a GradScaler, so float16 autocast would underflow gradients: use bfloat16",
     })),
     ("parallel", OPTIONAL, optional(DICT, "dict(strategy='ddp')")),
-    ("parallel.strategy", OPTIONAL, one_of(names.PARALLEL_STRATEGIES)),
+    ("parallel.strategy", OPTIONAL, one_of(names.PARALLEL_STRATEGIES, notes={
+        **{n: "tensor and pipeline parallelism (and other sharding engines) are not implemented in pimm: "
+           "use 'ddp' (replicas) or 'fsdp2' (sharded parameters, gradients and optimizer state)"
+           for n in names.NOT_IMPLEMENTED_STRATEGIES},
+        "fsdp": "FSDP1 is not used by pimm: 'fsdp2' is torch.distributed.fsdp.fully_shard",
+    })),
+    ("parallel.wrap_classes", OPTIONAL, Rule("a list of module class names, e.g. ['Block']",
+                                             lambda v: isinstance(v, (list, tuple))
+                                             and all(isinstance(x, str) for x in v))),
+    ("parallel.reshard_after_forward", OPTIONAL, BOOL),
+    ("parallel.mixed_precision", OPTIONAL, BOOL),
     ("find_unused_parameters", OPTIONAL, BOOL),
     ("sync_bn", OPTIONAL, BOOL),
     ("data", REQUIRED, DICT),

@@ -1,12 +1,15 @@
 """Execution strategies behind one interface: the trainer never branches on a strategy's name.
 
 A strategy takes the plain model and returns the module the training step calls; it also
-says which module evaluation should call (evaluation runs a different number of batches on
-each rank, so it must not trigger collectives inside forward).
+says which module evaluation should call and whether that module's forward is a collective
+(FSDP2 all-gathers parameters in forward, so every rank must run as many evaluation forwards
+as the others: `lockstep_eval`), how to turn gradient synchronisation off for the micro-steps of
+gradient accumulation, and how to move full (unsharded) model states in and out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -24,12 +27,21 @@ class Strategy:
     """The interface: wrap the plain model, name the module evaluation calls, move full states."""
 
     name = "base"
+    lockstep_eval = False  # True: the evaluation forward is a collective (pad ranks that run out)
 
     def wrap(self, model: nn.Module, env: DistEnv) -> nn.Module:
         raise NotImplementedError
 
     def eval_module(self, wrapped: nn.Module) -> nn.Module:
         raise NotImplementedError
+
+    def no_gradient_sync(self, wrapped: nn.Module):
+        """A context for the backward passes of all but the last micro-step of an accumulated step."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip to the global gradient norm (over all shards); returns that norm as a plain tensor."""
+        return torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_norm)
 
     def full_model_state(self, wrapped: nn.Module) -> dict:
         """The whole model's state_dict as the bare model names it (called on every rank)."""
@@ -79,6 +91,98 @@ class DDP(Strategy):
         # would hang when ranks evaluate different numbers of batches
         return wrapped.module
 
+    def no_gradient_sync(self, wrapped: nn.Module):
+        return wrapped.no_sync()
+
+
+class FSDP2(Strategy):
+    """Parameters, gradients and optimizer state sharded over the ranks with
+    `torch.distributed.fsdp.fully_shard` on a 1-D mesh: each module whose class is named in
+    `wrap_classes` first, then the root. On CUDA, `mixed_precision` computes in bfloat16 with
+    float32 gradient reduction (the sharded parameters stay float32)."""
+
+    name = "fsdp2"
+    lockstep_eval = True
+
+    def __init__(self, wrap_classes: list[str], reshard_after_forward: bool = True,
+                 mixed_precision: bool = False) -> None:
+        self.wrap_classes = list(wrap_classes)
+        self.reshard_after_forward = reshard_after_forward
+        self.mixed_precision = mixed_precision
+
+    def wrap(self, model: nn.Module, env: DistEnv) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model = model.to(env.device)
+        check_wrap_classes(model, self.wrap_classes)
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        options = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
+        if self.mixed_precision and env.device.type == "cuda":
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        elif self.mixed_precision:
+            log.warning("parallel.mixed_precision ignored: bf16 parameters need CUDA, this run is on %s",
+                        env.device.type)
+        wrapped = [m for m in model.modules() if type(m).__name__ in self.wrap_classes and m is not model]
+        for module in wrapped:
+            fully_shard(module, **options)
+        fully_shard(model, **options)
+        log.info("fsdp2: %d %s module(s) sharded, then the root, over %d ranks", len(wrapped),
+                 "/".join(self.wrap_classes), env.world_size)
+        return model
+
+    def eval_module(self, wrapped: nn.Module) -> nn.Module:
+        return wrapped  # the sharded module: its forward all-gathers, so evaluation runs in lockstep
+
+    def no_gradient_sync(self, wrapped: nn.Module):
+        @contextlib.contextmanager
+        def unsynced():
+            wrapped.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                wrapped.set_requires_gradient_sync(True)
+
+        return unsynced()
+
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def full_model_state(self, wrapped: nn.Module) -> dict:
+        """Gathered on every rank (a collective), kept on rank 0 only (others get {})."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_full_model_state(self, wrapped: nn.Module, state: dict, strict: bool = True) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(wrapped, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def check_wrap_classes(model: nn.Module, wrap_classes: list[str]) -> None:
+    """Every class named in parallel.wrap_classes occurs in the model (the launcher checks this on
+    a model built on the meta device, before any process starts)."""
+    names = {type(m).__name__ for m in model.modules()}
+    unknown = [c for c in wrap_classes if c not in names]
+    if unknown:
+        raise ConfigError(
+            f"parallel.wrap_classes names {unknown}, which {type(model).__name__} does not contain; its module "
+            f"classes are: {', '.join(sorted(names))}"
+        )
+
+
+def check_strategy_fits(cfg: dict) -> None:
+    """The launcher's check of an FSDP2 config against its model (imports torch: FSDP2 runs only)."""
+    parallel = cfg.get("parallel") or {}
+    if parallel.get("strategy") != "fsdp2":
+        return
+    from pimm.models import build_model
+
+    with torch.device("meta"):
+        check_wrap_classes(build_model(cfg["model"]), parallel.get("wrap_classes") or ["Block"])
+
 
 def build_strategy(cfg: dict, env: DistEnv):
     """Pick the strategy for this run from `parallel`, `find_unused_parameters`, `sync_bn`."""
@@ -88,6 +192,9 @@ def build_strategy(cfg: dict, env: DistEnv):
         return SingleProcess()
     if requested == "ddp":
         return DDP(bool(cfg.get("find_unused_parameters", False)), bool(cfg.get("sync_bn", False)))
+    if requested == "fsdp2":
+        return FSDP2(parallel.get("wrap_classes") or ["Block"], bool(parallel.get("reshard_after_forward", True)),
+                     bool(parallel.get("mixed_precision", False)))
     raise ConfigError(f"unknown parallel.strategy '{requested}'; valid strategies: {', '.join(PARALLEL_STRATEGIES)}")
 
 

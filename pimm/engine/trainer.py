@@ -28,7 +28,7 @@ from pimm.data.collate import collate_events, offset_to_batch_index
 from pimm.data.dataset import build_dataset
 from pimm.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from pimm.distributed.batch import plan_batches
-from pimm.distributed.env import DistEnv, all_reduce_sum, barrier
+from pimm.distributed.env import DistEnv, all_reduce_max, all_reduce_sum, barrier
 from pimm.distributed.strategy import build_strategy
 from pimm.engine.logs import MetricsWriter
 from pimm.engine.metrics import SegmentationMeter
@@ -362,7 +362,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # the norm is computed after the gradient all-reduce, so every rank sees the same value
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad or math.inf)
+        grad_norm = self.strategy.clip_grad_norm(self.module, self.clip_grad or math.inf)
         if not torch.isfinite(grad_norm):
             self._stop_nonfinite(loss, grad_norm)
         self.optimizer.step()
@@ -433,13 +433,23 @@ class Trainer:
         loader = self._loader(self.val_set, sampler)
         meter = SegmentationMeter(int(self.cfg["data"]["num_classes"]), self.env.device)
         device = self.env.device
-        for batch in loader:
+
+        def forward(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             offset = batch["offset"].to(device)
-            target = batch["segment"].to(device)
             with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast):
                 logits = model(batch["coord"].to(device), batch["feat"].to(device), offset)
+            return logits, batch["segment"].to(device), offset
+
+        for batch in loader:
+            logits, target, offset = forward(batch)
             _, event_losses = event_mean_loss(logits, target, offset)
             meter.update(logits, target, event_losses)
+        if self.strategy.lockstep_eval:
+            # the sharded forward is a collective: a rank with fewer batches runs masked ones (not
+            # counted) until every rank has run as many forwards as the busiest one
+            most = all_reduce_max(torch.tensor([len(sampler)], device=device)).item()
+            for _ in range(int(most) - len(sampler)):
+                forward(collate_events([self.val_set[0]]))
         result = meter.compute()
         self.module.train()
         names = self.cfg["data"].get("names") or [str(i) for i in range(len(result["iou"]))]
