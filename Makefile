@@ -27,7 +27,7 @@ test: venv
 	$(PY) -m pytest -q tests
 
 lint: venv
-	$(VENV)/bin/ruff check pimm tests benchmarks
+	$(VENV)/bin/ruff check pimm tests benchmarks examples
 
 bench: venv
 	$(PY) benchmarks/throughput.py
