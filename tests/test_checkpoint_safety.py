@@ -143,7 +143,7 @@ def test_resume_refuses_the_old_pickled_format_with_what_to_do(tmp_path, tiny_da
     shutil.copytree(interrupted.parents[1], exp)
     ckpt = exp / "tests" / interrupted.name / "model" / LAST
     manifest = ckpt / COMPLETE
-    manifest.write_text(manifest.read_text().replace('"format": 2,', ""))
+    manifest.write_text(manifest.read_text().replace('"format": 3,', ""))
     res, _ = launch(exp, tiny_data, 1, resume=True)
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert f"checkpoint {ckpt} is in format 1" in res.stderr and "--train.weight" in res.stderr

@@ -172,8 +172,8 @@ def test_srun_pimm_launch_inside_an_allocation(slurm, tmp_path, tiny_data):
             "srun", "--ntasks-per-node=1", sys.executable, "-m", "pimm", "launch", "--train.config", TINY,
             "--resources.nnodes", "2", "--resources.nproc-per-node", "2",
             "--paths.exp-root", str(tmp_path / "exp"), "--", *data_args(tiny_data), "epochs=1"]
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-                          check=False)
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     (run_dir,) = (tmp_path / "exp" / "tests").iterdir()  # both nodes named the same run: <name>-<job>.<step>
     job = re.search(r"Granted job allocation (\d+)", done.stderr).group(1)

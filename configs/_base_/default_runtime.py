@@ -3,7 +3,8 @@
 seed = 0
 epochs = 1
 max_steps = None  # stop after this many optimizer steps (None: run all epochs)
-batch_size = 16  # global events per optimizer step; must be divisible by the world size
+batch_size = 16  # global events per optimizer step; must be divisible by world size x grad_accum_steps
+grad_accum_steps = 1  # micro-batches per rank per optimizer step (1: none); the global batch stays batch_size
 batch_size_val = None  # None: one event per rank
 batch_size_test = None  # None: one event per rank
 num_worker = 0  # global loader workers

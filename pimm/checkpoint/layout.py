@@ -27,7 +27,8 @@ COMPLETE = ".complete"
 LAST = "last"
 STAGING_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
-FORMAT = 2  # 2: no pickle anywhere in trainer.dcp (format 1, unmarked, pickled the trainer state)
+FORMAT = 3  # 3: the model in trainer.dcp too (sharded under FSDP2); 2: no pickle anywhere in trainer.dcp
+READABLE_FORMATS = (2, 3)  # format 1, unmarked, pickled the trainer state
 
 
 class CheckpointError(PimmError):
@@ -92,12 +93,13 @@ def read_manifest(ckpt_dir: Path) -> dict:
 
 def verify(ckpt_dir: Path, rank: int = 0, world_size: int = 1) -> dict:
     """Check files against the manifest (rank r checks every world_size-th file, so the ranks share
-    the reading); CheckpointError names the first bad file, or the format when it is not FORMAT."""
+    the reading); CheckpointError names the first bad file, or the format when it is not readable."""
     manifest = read_manifest(ckpt_dir)
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in READABLE_FORMATS:
         raise CheckpointError(
-            f"checkpoint {ckpt_dir} is in format {manifest.get('format', 1)}, this pimm reads format {FORMAT} "
-            "only (format 1 stored pickled state, which can run code when loaded); start a new run from its "
+            f"checkpoint {ckpt_dir} is in format {manifest.get('format', 1)}, this pimm reads formats "
+            f"{' and '.join(map(str, READABLE_FORMATS))} only (format 1 stored pickled state, which can run code "
+            "when loaded); start a new run from its "
             f"weights with --train.weight {ckpt_dir / WEIGHTS}"
         )
     for i, (name, (size, digest)) in enumerate(sorted(manifest["files"].items())):

@@ -1,28 +1,87 @@
-"""What goes into trainer.dcp and how it comes back, including the data cursor mapping.
+"""What a checkpoint holds, as stateful components, and how they come back.
 
-trainer.dcp holds: the optimizer state (keyed by parameter name through DCP's state-dict API, so
-it reshards), the LR scheduler, the trainer state (step, epoch, cursor, best metric) with the
-facts needed to map the cursor (global batch, data length and hash, world size, workers), and
-`rng.rank<r>` with the RNG states of each rank. Nothing in it is unpickled when it is loaded
-(safe_dcp.py): scheduler, trainer and RNG states are packed into uint8 tensors.
+The trainer hands the checkpoint its components (torchtitan's pattern): each has `state_dict()`
+and `load_state_dict()`, and trainer.dcp is one DCP save of `{name: component.state_dict()}`:
+
+- `model`: the model through DCP's state-dict API (`get_model_state_dict`): sharded DTensors
+  under FSDP2, full tensors under DDP and a single process, keyed by the bare model's parameter
+  names either way, so a checkpoint of one strategy or world size loads into another (DCP
+  reshards). weights.pth beside it is the full state dict (`full_state_dict()`), for
+  `torch.load` into the bare model, warm starts and export;
+- `optimizer`: likewise through `get_optimizer_state_dict`;
+- `scheduler`, `trainer` (step, epoch, cursor, best metric and the facts that say whether the
+  cursor maps to a new topology), `rng.rank<r>`: packed into uint8 tensors (safe_dcp.pack), so
+  nothing in the checkpoint is unpickled when it is loaded (safe_dcp.py).
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import asdict
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from pimm.checkpoint import safe_dcp
 from pimm.checkpoint.layout import TRAINER, WEIGHTS, Checkpoint, CheckpointError, verify
-from pimm.checkpoint.manager import clone_to_cpu
 from pimm.distributed.env import all_reduce_max
 
 log = logging.getLogger("pimm")
+
+
+# -- the components ----------------------------------------------------------------------------
+
+class ModelState:
+    def __init__(self, strategy, module: torch.nn.Module) -> None:
+        self.strategy, self.module = strategy, module
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.module, state)
+
+    def full_state_dict(self) -> dict:
+        """The unsharded state dict (a collective under FSDP2: call on every rank)."""
+        return self.strategy.full_model_state(self.module)
+
+    def load_full_state_dict(self, state: dict, strict: bool = True) -> None:
+        self.strategy.load_full_model_state(self.module, state, strict=strict)
+
+
+class OptimizerState:
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.module, self.optimizer, state)
+
+
+class Packed:
+    """A component whose state is plain Python data, stored as one uint8 tensor."""
+
+    def __init__(self, what: str, get: Callable[[], object], put: Callable[[object], None]) -> None:
+        self.what, self._get, self._put = what, get, put
+
+    def state_dict(self) -> torch.Tensor:
+        return safe_dcp.pack(self._get(), self.what)
+
+    def load_state_dict(self, packed: torch.Tensor) -> None:
+        self.apply(safe_dcp.unpack(packed, self.what))
+
+    def apply(self, value) -> None:
+        self._put(value)
 
 
 def rng_states(device: torch.device) -> dict:
@@ -47,29 +106,64 @@ def set_rng_states(states: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(states["cuda"], device)
 
 
-def cursor_facts(trainer) -> dict:
+class TrainProgress:
+    """Step, epoch, cursor and best metric, with the facts that say whether the saved cursor
+    maps to the current topology; loading keeps the saved facts for `cursor_outcome`."""
+
+    def __init__(self, state, facts: Callable[[], dict]) -> None:
+        self.state, self._facts = state, facts
+        self.saved_facts: dict | None = None
+
+    def state_dict(self) -> dict:
+        return {"state": asdict(self.state), "cursor": self._facts()}
+
+    def load_state_dict(self, blob: dict) -> None:
+        saved = blob["state"]
+        for key in ("step", "epoch", "best_metric", "samples_in_epoch"):
+            setattr(self.state, key, saved[key])
+        self.saved_facts = blob["cursor"]
+
+
+def checkpoint_components(trainer) -> dict:
+    """The trainer's checkpointed components by entry name (what trainer.dcp holds). None of them
+    refers back to the trainer (no reference cycle keeps it, and its loader workers, alive)."""
+    env, plan, train_set = trainer.env, trainer.plan, trainer.train_set
+    progress = TrainProgress(trainer.state, lambda: cursor_facts(plan, train_set, env))
+    return {
+        "model": ModelState(trainer.strategy, trainer.module),
+        "optimizer": OptimizerState(trainer.module, trainer.optimizer),
+        "scheduler": Packed(f"the state of the LR scheduler {type(trainer.scheduler).__name__}",
+                            trainer.scheduler.state_dict, trainer.scheduler.load_state_dict),
+        "trainer": Packed("the trainer state", progress.state_dict, progress.load_state_dict),
+        f"rng.rank{env.rank}": Packed("the RNG states", lambda: rng_states(env.device),
+                                      lambda states: set_rng_states(states, env.device)),
+        "_progress": progress,  # not saved: holds what the trainer entry loaded
+    }
+
+
+def cursor_facts(plan, train_set, env) -> dict:
     """What the saved cursor means: it maps to a new topology only if these (but world/workers) match."""
     return {
-        "global_batch_size": trainer.plan.global_batch_size,
-        "num_samples": len(trainer.train_set),
-        "data_hash": trainer.train_set.info["content_hash"],
-        "world_size": trainer.env.world_size,
-        "workers_per_rank": trainer.plan.workers_per_rank,
+        "global_batch_size": plan.global_batch_size,
+        "num_samples": len(train_set),
+        "data_hash": train_set.info["content_hash"],
+        "world_size": env.world_size,
+        "workers_per_rank": plan.workers_per_rank,
     }
 
 
-def capture(trainer) -> tuple[dict | None, dict]:
-    """CPU copies of (full model state on rank 0 else None, trainer.dcp state of this rank)."""
-    full = trainer.strategy.full_model_state(trainer.module)
-    model_state = clone_to_cpu(full) if trainer.env.is_main else None
-    trainer_blob = {"state": asdict(trainer.state), "cursor": cursor_facts(trainer)}
-    scheduler = f"the state of the LR scheduler {type(trainer.scheduler).__name__}"
-    dcp_state = {
-        "optimizer": clone_to_cpu(get_optimizer_state_dict(trainer.module, trainer.optimizer)),
-        "scheduler": safe_dcp.pack(trainer.scheduler.state_dict(), scheduler),
-        "trainer": safe_dcp.pack(trainer_blob, "the trainer state"),
-        f"rng.rank{trainer.env.rank}": safe_dcp.pack(rng_states(trainer.env.device), "the RNG states"),
-    }
+def saved(components: dict) -> dict:
+    return {name: c for name, c in components.items() if not name.startswith("_")}
+
+
+# -- save and restore --------------------------------------------------------------------------
+
+def capture(components: dict, is_main: bool, stage) -> tuple[dict | None, dict]:
+    """(full model state on rank 0 else None, trainer.dcp state of this rank), both staged to CPU
+    by `stage` (the only part of an asynchronous save that blocks training)."""
+    full = components["model"].full_state_dict()
+    model_state = stage(full, "weights") if is_main else None
+    dcp_state = stage({name: c.state_dict() for name, c in saved(components).items()}, "trainer")
     return model_state, dcp_state
 
 
@@ -90,27 +184,25 @@ def _agreed(action, ckpt: Checkpoint, env):
     return result
 
 
-def restore(trainer, ckpt: Checkpoint, strict: bool) -> str:
-    """Load `ckpt` into the trainer; returns the cursor outcome: restored | remapped | epoch_restarted."""
+def restore(components: dict, ckpt: Checkpoint, env, group, facts_now: dict, strict: bool) -> str:
+    """Load `ckpt` into the components; returns the cursor outcome: restored | remapped | epoch_restarted."""
     # the ranks share the hashing: rank r checks every world_size-th file
-    _agreed(lambda: verify(ckpt.path, trainer.env.rank, trainer.env.world_size), ckpt, trainer.env)
-    path = ckpt.path / WEIGHTS
-    try:
-        weights = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"corrupt checkpoint file {path}: {exc}") from exc
-    trainer.strategy.load_full_model_state(trainer.module, weights, strict=strict)
-
+    _agreed(lambda: verify(ckpt.path, env.rank, env.world_size), ckpt, env)
     path = ckpt.path / TRAINER
     metadata = safe_dcp.read_metadata(path)
     saved_world = sum(1 for k in metadata.state_dict_metadata if k.startswith("rng.rank"))
-    rng_key = f"rng.rank{trainer.env.rank}"
-    same_world = saved_world == trainer.env.world_size
+    rng_key = f"rng.rank{env.rank}"
+    same_world = saved_world == env.world_size
+    model_in_dcp = any(k.startswith("model.") for k in metadata.state_dict_metadata)
+    if not model_in_dcp or not strict:  # format 2 kept the model in weights.pth only
+        _load_weights(components["model"], ckpt, strict)
     packed = ["scheduler", "trainer", *([rng_key] if same_world else [])]
     template = {key: safe_dcp.packed_template(metadata, key, path) for key in packed}
-    template["optimizer"] = get_optimizer_state_dict(trainer.module, trainer.optimizer)
+    tensors = ["optimizer", *(["model"] if model_in_dcp and strict else [])]
+    for key in tensors:
+        template[key] = components[key].state_dict()
     try:
-        safe_dcp.load(template, path, trainer.checkpoints.group)
+        safe_dcp.load(template, path, group)
     except safe_dcp.UnsafeCheckpoint:
         raise
     except CheckpointError as exc:
@@ -119,51 +211,58 @@ def restore(trainer, ckpt: Checkpoint, strict: bool) -> str:
         log.warning("resume_strict_state=False: trainer state in %s unreadable (%s); weights only", ckpt.path, exc)
         return "epoch_restarted"
     unpacked = _agreed(  # rng.rank<r> is read by rank r alone
-        lambda: {key: safe_dcp.unpack(template[key], f"the entry {key} of {path}") for key in packed},
-        ckpt, trainer.env,
+        lambda: {key: safe_dcp.unpack(template[key], f"the entry {key} of {path}") for key in packed}, ckpt, env,
     )
-    for part, load in (
-        ("optimizer", lambda: set_optimizer_state_dict(trainer.module, trainer.optimizer, template["optimizer"])),
-        ("scheduler", lambda: trainer.scheduler.load_state_dict(unpacked["scheduler"])),
-    ):
+    for part in tensors:
         try:
-            load()
+            components[part].load_state_dict(template[part])
         except Exception as exc:
             if strict:
                 raise CheckpointError(f"the {part} state in {path} does not fit: {exc}") from exc
             log.warning("resume_strict_state=False: %s state not restored (%s)", part, exc)
-
-    blob = unpacked["trainer"]
-    saved, facts = blob["state"], blob["cursor"]
-    trainer.state.step = saved["step"]
-    trainer.state.epoch = saved["epoch"]
-    trainer.state.best_metric = saved["best_metric"]
-    trainer.state.samples_in_epoch = saved["samples_in_epoch"]
-    now = cursor_facts(trainer)
+    try:
+        components["scheduler"].apply(unpacked["scheduler"])
+    except Exception as exc:
+        if strict:
+            raise CheckpointError(f"the scheduler state in {path} does not fit: {exc}") from exc
+        log.warning("resume_strict_state=False: scheduler state not restored (%s)", exc)
+    components["trainer"].apply(unpacked["trainer"])
+    progress = components["_progress"]
+    facts = progress.saved_facts
     reasons = [
-        f"{key} changed ({facts[key]} -> {now[key]})"
+        f"{key} changed ({facts[key]} -> {facts_now[key]})"
         for key in ("global_batch_size", "num_samples", "data_hash")
-        if facts[key] != now[key]
+        if facts[key] != facts_now[key]
     ]
     if not strict:
         reasons.append("resume_strict_state=False")
-    if same_world and facts["workers_per_rank"] == now["workers_per_rank"]:
-        set_rng_states(unpacked[rng_key], trainer.env.device)
+    if same_world and facts["workers_per_rank"] == facts_now["workers_per_rank"]:
+        components[rng_key].apply(unpacked[rng_key])
+    state = progress.state
     if reasons:
-        if trainer.state.samples_in_epoch:
+        if state.samples_in_epoch:
             log.warning(
                 "data cursor not restored (%s): epoch %d restarts from its beginning; the %d events of that "
                 "epoch consumed before the checkpoint may be seen twice",
-                "; ".join(reasons), trainer.state.epoch + 1, trainer.state.samples_in_epoch,
+                "; ".join(reasons), state.epoch + 1, state.samples_in_epoch,
             )
-        trainer.state.samples_in_epoch = 0
+        state.samples_in_epoch = 0
         return "epoch_restarted"
-    if facts["world_size"] == now["world_size"] and facts["workers_per_rank"] == now["workers_per_rank"]:
+    if facts["world_size"] == facts_now["world_size"] and facts["workers_per_rank"] == facts_now["workers_per_rank"]:
         return "restored"
     log.info(
         "data cursor remapped: world size %d -> %d, workers/rank %d -> %d; the global order continues at "
         "event %d of epoch %d with nothing replayed or skipped",
-        facts["world_size"], now["world_size"], facts["workers_per_rank"], now["workers_per_rank"],
-        trainer.state.samples_in_epoch, trainer.state.epoch + 1,
+        facts["world_size"], facts_now["world_size"], facts["workers_per_rank"], facts_now["workers_per_rank"],
+        state.samples_in_epoch, state.epoch + 1,
     )
     return "remapped"
+
+
+def _load_weights(model: ModelState, ckpt: Checkpoint, strict: bool) -> None:
+    path = ckpt.path / WEIGHTS
+    try:
+        weights = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"corrupt checkpoint file {path}: {exc}") from exc
+    model.load_full_state_dict(weights, strict=strict)

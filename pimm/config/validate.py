@@ -83,6 +83,7 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
     ("epochs", REQUIRED, integer(1)),
     ("max_steps", OPTIONAL, optional(integer(1), "run all epochs")),
     ("batch_size", REQUIRED, ANY),  # checked with the world size in pimm.distributed.batch
+    ("grad_accum_steps", OPTIONAL, integer(1, " (1: no accumulation)")),  # divisibility: pimm.distributed.batch
     ("log_every", REQUIRED, integer(1)),
     ("eval_every_epochs", REQUIRED, integer(1)),
     ("log_event_ids", OPTIONAL, BOOL),

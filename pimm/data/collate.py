@@ -21,6 +21,26 @@ def collate_events(batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return out
 
 
+def split_events(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """A collated batch of B events -> `parts` collated batches of B / parts consecutive events each
+    (views of the point tensors, offsets rebased to 0); used for the micro-batches of accumulation."""
+    offset = batch["offset"]
+    if parts == 1:
+        return [batch]
+    if len(offset) % parts:
+        raise ValueError(f"{len(offset)} events cannot be split into {parts} equal micro-batches")
+    size = len(offset) // parts
+    rows = [0, *offset[size - 1 :: size].tolist()]  # point-row bounds of the parts (host tensors: no sync)
+    out = []
+    for i in range(parts):
+        events = slice(i * size, (i + 1) * size)
+        micro = {key: batch[key][rows[i] : rows[i + 1]] for key in _POINT_KEYS}
+        micro["offset"] = offset[events] - rows[i]
+        micro["event_id"] = batch["event_id"][events]
+        out.append(micro)
+    return out
+
+
 def offset_to_batch_index(offset: torch.Tensor, num_points: int | None = None) -> torch.Tensor:
     """(B,) end-row offsets -> (sumN,) int64 event index of every point (empty events allowed).
     Give `num_points` (= sumN, known on the host) to spare a device-to-host sync on GPUs."""

@@ -1,12 +1,14 @@
 """The training loop: one readable `Trainer` over a plain model and a strategy.
 
 Global batch semantics: each optimizer step consumes one global batch of `batch_size` events,
-split evenly over ranks. The loss is the mean over events of each event's mean point loss, so
-the gradient (averaged over ranks by the strategy) is the same at any world size.
+split evenly over ranks, and on each rank into `grad_accum_steps` micro-batches. The loss is the
+mean over events of each event's mean point loss, so the gradient (micro-steps summed, averaged
+over ranks by the strategy) is the same at any world size and accumulation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -22,9 +24,9 @@ import torch.nn.functional as F
 
 from pimm.checkpoint.layout import CheckpointError
 from pimm.checkpoint.manager import CheckpointManager
-from pimm.checkpoint.state import capture, restore
+from pimm.checkpoint.state import capture, checkpoint_components, cursor_facts, restore
 from pimm.config import config_hash
-from pimm.data.collate import collate_events, offset_to_batch_index
+from pimm.data.collate import collate_events, offset_to_batch_index, split_events
 from pimm.data.dataset import build_dataset
 from pimm.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from pimm.distributed.batch import plan_batches
@@ -117,6 +119,8 @@ class Trainer:
             keep_last=int(cfg["checkpoint_keep_last"]), async_save=bool(cfg["checkpoint_async"]),
             kill_during_save_at_step=debug.get("kill_during_checkpoint_at_step"),
         )
+        # model, optimizer, scheduler, progress and RNG, handed to the checkpoint as stateful objects
+        self.checkpoint_components = checkpoint_components(self)
         self.checkpoint_every = cfg.get("checkpoint_every_n_steps")
         self.stop = stop or StopRequest()
         if env.distributed and env.device.type != "cpu":
@@ -154,8 +158,9 @@ class Trainer:
             p.world_size, self.env.local_world_size, self.strategy.name, self.env.device,
         )
         log.info(
-            "global batch %d = %d events/rank; val %d/rank; workers %d/rank (global %d)",
-            p.global_batch_size, p.events_per_rank, p.val_events_per_rank, p.workers_per_rank, p.global_workers,
+            "global batch %d = %d events/rank (%d micro-batch(es) of %d); val %d/rank; workers %d/rank (global %d)",
+            p.global_batch_size, p.events_per_rank, p.grad_accum_steps, p.micro_batch_per_rank,
+            p.val_events_per_rank, p.workers_per_rank, p.global_workers,
         )
         log.info(
             "train events %d -> %d optimizer steps/epoch (last %d events of each epoch's order dropped), "
@@ -188,8 +193,15 @@ class Trainer:
         except BaseException as exc:
             self.provenance.end("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
             raise
+        finally:
+            self._stop_loader_workers()
         self.provenance.end("completed", final_step=self.state.step, final_val=final)
         return final
+
+    def _stop_loader_workers(self) -> None:
+        """End the persistent loader workers now. They ignore stop signals (pimm.signals), so the
+        interpreter's exit, which terminates them with SIGTERM and joins, would wait forever."""
+        self.train_loader._iterator = None  # the only reference: its __del__ shuts the workers down
 
     def _fit_loop(self) -> dict:
         epochs = int(self.cfg["epochs"])
@@ -239,7 +251,8 @@ class Trainer:
         bad = []
         for ckpt in found:
             try:
-                cursor = restore(self, ckpt, strict)
+                cursor = restore(self.checkpoint_components, ckpt, self.env, self.checkpoints.group,
+                                 cursor_facts(self.plan, self.train_set, self.env), strict)
             except CheckpointError as exc:
                 problems.append(str(exc))
                 bad.append(ckpt.path)
@@ -349,25 +362,32 @@ class Trainer:
         raise Interrupted(reason)
 
     def _train_step(self, batch: dict) -> torch.Tensor:
+        """One optimizer step on this rank's events of the global batch, run as `grad_accum_steps`
+        micro-batches of consecutive events; returns the rank's mean event loss (detached)."""
         device = self.env.device
-        coord = batch["coord"].to(device, non_blocking=True)
-        feat = batch["feat"].to(device, non_blocking=True)
-        target = batch["segment"].to(device, non_blocking=True)
-        offset = batch["offset"].to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast):
-            logits = self.module(coord, feat, offset)
-        loss, _ = event_mean_loss(logits, target, offset)
-        if self._nonfinite_at == self.state.step + 1 and self.env.is_main:
-            loss = loss * float("nan")  # fault injection for the non-finite guard (tests)
+        accum = self.plan.grad_accum_steps
+        step_loss = torch.zeros((), device=device)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        for i, micro in enumerate(split_events(batch, accum)):
+            # gradients are reduced across ranks once per step: in the last micro-step's backward
+            with self.strategy.no_gradient_sync(self.module) if i < accum - 1 else contextlib.nullcontext():
+                offset = micro["offset"].to(device, non_blocking=True)
+                with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast):
+                    logits = self.module(micro["coord"].to(device, non_blocking=True),
+                                         micro["feat"].to(device, non_blocking=True), offset)
+                loss, _ = event_mean_loss(logits, micro["segment"].to(device, non_blocking=True), offset)
+                loss = loss / accum  # equal micro-batches: the sum over micro-steps is the mean over events
+                if self._nonfinite_at == self.state.step + 1 and self.env.is_main:
+                    loss = loss * float("nan")  # fault injection for the non-finite guard (tests)
+                loss.backward()
+            step_loss += loss.detach()
         # the norm is computed after the gradient all-reduce, so every rank sees the same value
         grad_norm = self.strategy.clip_grad_norm(self.module, self.clip_grad or math.inf)
         if not torch.isfinite(grad_norm):
-            self._stop_nonfinite(loss, grad_norm)
+            self._stop_nonfinite(step_loss, grad_norm)
         self.optimizer.step()
         self.scheduler.step()
-        return loss.detach()
+        return step_loss
 
     def _stop_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         step = self.state.step + 1
@@ -467,7 +487,7 @@ class Trainer:
     def save_checkpoint(self, blocking: bool = False) -> None:
         """Checkpoint the current step (all ranks); blocks only for the CPU copy unless `blocking`."""
         if self.checkpoints.last_saved_step != self.state.step:
-            model_state, dcp_state = capture(self)
+            model_state, dcp_state = capture(self.checkpoint_components, self.env.is_main, self.checkpoints.stage)
             self.checkpoints.save(self.state.step, model_state, dcp_state, blocking=blocking)
             if self.env.is_main and self.cfg.get("save_iter_snapshots"):
                 from pimm.checkpoint.weights import save_weight_file

@@ -71,7 +71,8 @@ class LaunchPlan:
             "  " + shlex.join(self.torchrun_argv()),
             f"world size: {self.world_size} ({self.nnodes} node(s) x {self.nproc_per_node} process(es), "
             f"{self.device_type}/{self.backend})",
-            f"per rank: batch_size {b.events_per_rank} events (global {b.global_batch_size}), "
+            f"per rank: batch_size {b.events_per_rank} events (global {b.global_batch_size}) = {b.grad_accum_steps} "
+            f"micro-batch(es) of {b.micro_batch_per_rank} (grad_accum_steps {b.grad_accum_steps}), "
             f"batch_size_val {b.val_events_per_rank} (global {b.global_batch_size_val}){val_note}, "
             f"batch_size_test {b.test_events_per_rank} (global {b.global_batch_size_test}), "
             f"num_worker {b.workers_per_rank} (global {b.global_workers})",
