@@ -141,7 +141,9 @@ def worker(spec_path: Path) -> None:
     from pimm.engine.optim import build_optimizer
     from pimm.engine.trainer import event_mean_loss
     from pimm.models import build_model
+    from pimm.signals import die_with_parent
 
+    die_with_parent()  # torchrun starts each rank in a session of its own: no rank outlives it
     spec = json.loads(spec_path.read_text())
     cfg = spec["cfg"]
     env = init_distributed()
@@ -239,7 +241,11 @@ def launch(run_dir: Path, world: int, spec: dict, timeout: float) -> list[dict]:
     with open(log_path, "w", encoding="utf-8") as log:
         log.write("$ " + shlex.join(argv) + "\n")
         log.flush()
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        from pimm.signals import die_with_parent
+
+        # torchrun dies with this driver (a killed benchmark leaves no run behind)
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=die_with_parent)  # noqa: PLW1509 (the driver runs no threads)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -427,3 +433,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="one rank of `pimm bench memory` (started by torchrun)")
     parser.add_argument("--worker", type=Path, required=True, help="the run's spec.json, written by the driver")
     worker(parser.parse_args().worker)
+    from pimm.engine.worker import exit_now
+
+    exit_now(0)  # no interpreter teardown: it can hang on gloo's threads (see pimm.engine.worker.exit_now)

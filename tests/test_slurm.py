@@ -272,3 +272,13 @@ def test_output_writes_the_script_and_prepares_the_run(tmp_path, tiny_data):
     assert out.read_text().startswith("#!/bin/bash") and f"queue it with: sbatch {out}" in res.stdout
     assert (run_dir / "config.py").is_file() and (run_dir / "slurm_logs").is_dir()
     assert json.loads((run_dir / "launch.json").read_text())["site"] == "local-slurm"
+
+
+def test_a_two_node_run_continues_on_one_machine_only_when_asked(uninterrupted):
+    run_dir, _, _ = uninterrupted
+    res = run_pimm(["launch", "--train.resume", str(run_dir), "--dry-run"], cwd=run_dir.parents[2])
+    assert res.returncode == 2 and "was launched on 2 nodes" in res.stderr and "--resources.nnodes 1" in res.stderr
+    res = run_pimm(["launch", "--train.resume", str(run_dir), "--resources.nnodes", "1", "--dry-run"],
+                   cwd=run_dir.parents[2])
+    assert res.returncode == 0, res.stderr
+    assert "world size: 2 (1 node(s) x 2 process(es)" in res.stdout

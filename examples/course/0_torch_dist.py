@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from course_common import free_port
+from course_common import end_distributed, free_port
 
 
 def worker(rank: int, world_size: int) -> None:
@@ -25,7 +25,7 @@ def worker(rank: int, world_size: int) -> None:
     expected = world_size * (world_size - 1) / 2
     print(f"rank {rank}/{world_size}: after all_reduce: {tensor.item():.0f} (expected {expected:.0f})", flush=True)
     assert tensor.item() == expected
-    dist.destroy_process_group()
+    end_distributed()  # destroy_process_group, then exit (see course_common)
 
 
 if __name__ == "__main__":

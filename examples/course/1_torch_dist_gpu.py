@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from course_common import free_port
+from course_common import end_distributed, free_port
 
 
 def worker(rank: int, world_size: int) -> None:
@@ -25,7 +25,7 @@ def worker(rank: int, world_size: int) -> None:
     print(f"rank {rank}/{world_size} on {torch.cuda.get_device_name(rank)}: after all_reduce: "
           f"{tensor.tolist()} (expected {expected:.0f} everywhere)", flush=True)
     assert torch.all(tensor == expected).item()
-    dist.destroy_process_group()
+    end_distributed()  # destroy_process_group, then exit (see course_common)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from course_common import (
     add_nproc,
     backend_for,
     device_for,
+    end_distributed,
     load_mnist,
     log,
     spawn_on_this_machine,
@@ -61,7 +62,7 @@ def worker(rank: int, world_size: int, args) -> None:
     log(f"all {world_size} models identical: {max_diff == 0.0} (largest weight difference {max_diff:.3g})", rank=rank)
     log(f"{world_size} processes processed {world_size * samples} samples for one model that saw {samples}: "
         f"{world_size}x the work, no gain. Step 4 splits the data instead.", rank=rank)
-    dist.destroy_process_group()
+    end_distributed()  # destroy_process_group, then exit (see course_common)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from course_common import (
     add_nproc,
     backend_for,
     device_for,
+    end_distributed,
     finish,
     global_mean,
     load_mnist,
@@ -82,7 +83,7 @@ def worker(rank: int, world_size: int, args) -> None:
     log(clock.summary(global_batch), rank=rank)
     finish(model.module, args, device, rank)  # .module: the plain model, without DDP's wrapper
     metrics.close()
-    dist.destroy_process_group()
+    end_distributed()  # destroy_process_group, then exit (see course_common)
 
 
 if __name__ == "__main__":

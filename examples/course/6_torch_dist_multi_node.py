@@ -15,7 +15,7 @@ import socket
 
 import torch
 import torch.distributed as dist
-from course_common import backend_for, device_for, log, torchrun_ranks
+from course_common import backend_for, device_for, end_distributed, log, torchrun_ranks
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     log(f"{len(nodes)} node(s): " + ", ".join(f"node {n} = {h}" for n, h in nodes), rank=rank)
     log(f"all_reduce over {world_size} ranks: {tensor.item():.0f} (expected {expected:.0f})", rank=rank)
     assert tensor.item() == expected
-    dist.destroy_process_group()
+    end_distributed()  # destroy_process_group, then exit (see course_common)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from course_common import (
     add_lr_scaling,
     backend_for,
     device_for,
+    end_distributed,
     finish,
     global_mean,
     load_mnist,
@@ -78,7 +79,7 @@ def main() -> None:
     log(clock.summary(global_batch), rank=rank)
     finish(model.module, args, device, rank)
     metrics.close()
-    dist.destroy_process_group()
+    end_distributed()  # destroy_process_group, then exit (see course_common)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from course_common import (
     add_lr_scaling,
     backend_for,
     device_for,
+    end_distributed,
     finish,
     log,
     scaled_lr,
@@ -136,7 +137,7 @@ def main() -> None:
     log(clock.summary(world_size * args.batch_size), rank=rank)
     finish(model.module, args, device, rank, load_test=lambda: read_test_split(args.h5))
     metrics.close()
-    dist.destroy_process_group()
+    end_distributed()  # destroy_process_group, then exit (see course_common)
 
 
 if __name__ == "__main__":

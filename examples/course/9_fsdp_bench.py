@@ -27,7 +27,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_common import StepClock, backend_for, device_for, load_mnist, log, torchrun_ranks, training_parser
+from course_common import (
+    StepClock,
+    backend_for,
+    device_for,
+    end_distributed,
+    load_mnist,
+    log,
+    torchrun_ranks,
+    training_parser,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -177,7 +186,7 @@ def main() -> None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"strategy": args.strategy, "world_size": world_size,
                                              "parameters": full_params, "ranks": everyone}, indent=1))
-    dist.destroy_process_group()
+    end_distributed()  # destroy_process_group, then exit (see course_common)
 
 
 if __name__ == "__main__":

@@ -344,4 +344,29 @@ def torchrun_ranks(script: str) -> tuple[int, int, int]:
         raise SystemExit(f"{script} is started by torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE:\n"
                          f"  torchrun --standalone --nproc-per-node 4 {script}    (one machine)\n"
                          f"  ./multinode_setup_and_run.sh {script}                (inside a Slurm allocation)")
+    _die_with_torchrun()
     return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _die_with_torchrun() -> None:
+    """torchrun starts each rank in a session of its own: ask Linux to kill this rank when its
+    torchrun dies (SIGKILLed by a scheduler, say), so no rank trains on as an orphan."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    except OSError:
+        pass  # not Linux: nothing to ask for
+
+
+def end_distributed() -> None:
+    """`destroy_process_group()`, then leave this process at once. With gloo in torch 2.13 the
+    interpreter's own teardown can hang: freeing the last reference to the process group (DDP's
+    reducer holds one) joins gloo's threads while holding the GIL, and a thread that still releases
+    a finished collective's tensor waits for the GIL (pytorch/pytorch#56297). Call it last."""
+    dist.destroy_process_group()
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from pimm.checkpoint import safe_dcp
 from pimm.checkpoint.layout import TRAINER, WEIGHTS, Checkpoint, CheckpointError, verify
@@ -161,10 +162,12 @@ def saved(components: dict) -> dict:
 def capture(components: dict, is_main: bool, stage) -> tuple[dict | None, dict]:
     """(full model state on rank 0 else None, trainer.dcp state of this rank), both staged to CPU
     by `stage` (the only part of an asynchronous save that blocks training)."""
-    full = components["model"].full_state_dict()
-    model_state = stage(full, "weights") if is_main else None
     dcp_state = stage({name: c.state_dict() for name, c in saved(components).items()}, "trainer")
-    return model_state, dcp_state
+    model = dcp_state["model"]
+    if not any(isinstance(v, DTensor) for v in model.values()):
+        return (model if is_main else None), dcp_state  # unsharded: weights.pth is the same state
+    full = components["model"].full_state_dict()  # gathered from the shards (every rank takes part)
+    return (stage(full, "weights") if is_main else None), dcp_state
 
 
 def _agreed(action, ckpt: Checkpoint, env):

@@ -82,6 +82,13 @@ def prepare(args: argparse.Namespace, scheduled: bool = False):
         cfg = apply_overrides(saved.cfg, parse_overrides(args.overrides))
         check_config(cfg)
         args.resume_changes = check_resume_changes(saved, cfg)
+        if (args.nnodes is None and int(saved.launch.get("nnodes", 1)) > 1 and not scheduled
+                and args.rdzv_endpoint is None and SlurmStep.from_env() is None):
+            raise LaunchError(
+                f"{run_dir} was launched on {saved.launch['nnodes']} nodes; to continue it on this machine pass "
+                "--resources.nnodes 1 (the cursor is remapped to the new world size), or resume it under Slurm: "
+                f"pimm submit --site SITE --train.resume {run_dir}"
+            )
         for key, default in (("nproc_per_node", "1"), ("nnodes", 1), ("max_restarts", 0)):
             if getattr(args, key) is None:
                 setattr(args, key, str(saved.launch.get(key, default)) if key == "nproc_per_node"
@@ -108,6 +115,9 @@ def prepare(args: argparse.Namespace, scheduled: bool = False):
             )
         run_dir = run_directory(args.exp_root, config_name, args.run_name, args.timestamp,
                                 job_tag=step.tag if step else None)
+    if cfg.get("validate_only") and not args.weight:
+        raise LaunchError("validate_only=true evaluates given weights and trains nothing: pass --train.weight PATH "
+                          "(weights.pth, model_best.pth or a checkpoint directory)")
     rdzv_id = None
     if scheduled:
         args.rdzv_endpoint, rdzv_id = "<first node of the job>:<port from the job id>", "$SLURM_JOB_ID"

@@ -89,5 +89,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown: with gloo in torch 2.13, freeing the last
+    reference to a process group (held by DDP's reducer or FSDP2's mesh) at exit joins its worker
+    threads while holding the GIL, and a worker thread that still releases a finished collective's
+    tensor needs the GIL: the rank hangs forever (pytorch/pytorch#56297). Everything the run
+    writes is already closed or flushed here; loader workers die with the rank (parent-death signal)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
