@@ -28,6 +28,7 @@ This module imports torch only inside `StopRequest.agreed`, so the launcher can 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -55,10 +56,26 @@ def die_with_parent() -> None:
 
 def ignore_stop_signals(_worker_id: int | None = None) -> None:
     """For DataLoader workers (usable as worker_init_fn): stop signals are the rank's business;
-    the worker also dies with its rank."""
+    the worker also dies with its rank. The worker was forked with them blocked
+    (`loader_workers_forked`): ignored first, then unblocked, so one sent meanwhile is dropped."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     die_with_parent()
+
+
+@contextlib.contextmanager
+def loader_workers_forked():
+    """Start DataLoader workers (create the loader's iterator) inside this: stop signals are
+    blocked while they fork, so a worker starts with them blocked. Torch's worker loop installs a
+    SIGTERM handler that re-raises the default action before worker_init_fn runs; a stop signal
+    to the whole job in that window would kill the worker and with it the rank. In the rank a
+    signal that arrived meanwhile is delivered when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def handle_once(handler):
