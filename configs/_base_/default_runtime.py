@@ -25,10 +25,12 @@ scheduler = None  # None: constant learning rate
 log_every = 10  # optimizer steps between train log lines / metrics records
 eval_every_epochs = 1
 log_event_ids = False  # write the event ids of every step to logs/event_ids_rank*.jsonl
+validate_only = False  # True: evaluate the --train.weight weights once; no training, no checkpoint
 
 data = dict(num_classes=5, names=["shower", "track", "michel", "delta", "low_energy"], train=None, val=None, test=None)
 debug = dict(  # fault injection, used by the tests
-    nonfinite_loss_at_step=None, interrupt_at_step=None, kill_during_checkpoint_at_step=None
+    nonfinite_loss_at_step=None, interrupt_at_step=None, kill_during_checkpoint_at_step=None,
+    desync_rank_params=None,  # True: perturb rank 1's parameters after the strategy wrap (replicas differ)
 )
 
 # checkpoints: model/last/{weights.pth, trainer.dcp/, .complete}, older ones as model/step_<N>/

@@ -129,6 +129,11 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
     ("checkpoint_keep_last", REQUIRED, integer(2, " (the older one is the fallback when the newest is corrupt)")),
     ("save_iter_snapshots", OPTIONAL, BOOL),
     ("resume_strict_state", OPTIONAL, BOOL),
+    ("validate_only", OPTIONAL, BOOL),
+    ("debug", OPTIONAL, optional(DICT, "no fault injection")),
+    *((f"debug.{key}", OPTIONAL, optional(integer(1), "off"))
+      for key in ("nonfinite_loss_at_step", "interrupt_at_step", "kill_during_checkpoint_at_step")),
+    ("debug.desync_rank_params", OPTIONAL, optional(BOOL, "off")),
 )
 
 _MISSING = object()

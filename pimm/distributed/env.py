@@ -107,6 +107,16 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def all_gather_objects(value) -> list:
+    """Every rank's `value` (small and picklable), in rank order, on every rank ([value] without a
+    process group). Every rank must call it."""
+    if dist.is_available() and dist.is_initialized():
+        box = [None] * dist.get_world_size()
+        dist.all_gather_object(box, value)
+        return box
+    return [value]
+
+
 def broadcast_from_rank0(value):
     """Rank 0's `value` on every rank (a small picklable value such as a list of paths; rank 0's own
     value when there is no process group). Every rank must call it."""

@@ -30,6 +30,13 @@ def plot_metrics(metrics_path: Path, out_path: Path) -> Path | None:
     ax_miou.set_xlabel("optimizer step")
     ax_miou.set_ylabel("validation mIoU")
     ax_miou.set_ylim(0, 1)
+    return save_png(fig, out_path)
+
+
+def save_png(fig, out_path: Path) -> Path:
+    """Write a matplotlib figure as a PNG in one rename (never half-written) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     tmp = out_path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=100)

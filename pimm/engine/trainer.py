@@ -30,16 +30,16 @@ from pimm.data.collate import collate_events, offset_to_batch_index, split_event
 from pimm.data.dataset import build_dataset
 from pimm.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from pimm.distributed.batch import plan_batches
-from pimm.distributed.env import DistEnv, all_reduce_max, all_reduce_sum, barrier
+from pimm.distributed.env import DistEnv, all_gather_objects, all_reduce_max, all_reduce_sum, barrier
 from pimm.distributed.strategy import build_strategy
 from pimm.engine.logs import MetricsWriter
 from pimm.engine.metrics import SegmentationMeter
 from pimm.engine.optim import build_optimizer, build_scheduler
 from pimm.engine.plot import plot_metrics
-from pimm.errors import TrainingError
+from pimm.errors import ConfigError, TrainingError
 from pimm.models import build_model
 from pimm.provenance import Provenance
-from pimm.signals import StopRequest, ignore_further_stop_signals, ignore_stop_signals
+from pimm.signals import StopRequest, ignore_further_stop_signals, ignore_stop_signals, loader_workers_forked
 
 log = logging.getLogger("pimm")
 
@@ -114,6 +114,8 @@ class Trainer:
         debug = cfg.get("debug") or {}
         self._nonfinite_at = debug.get("nonfinite_loss_at_step")
         self._interrupt_at = debug.get("interrupt_at_step")
+        self._desync_params = bool(debug.get("desync_rank_params"))
+        self.validate_only = bool(cfg.get("validate_only"))
         self.checkpoints = CheckpointManager(
             run_dir / "model", env.rank, env.world_size,
             keep_last=int(cfg["checkpoint_keep_last"]), async_save=bool(cfg["checkpoint_async"]),
@@ -179,10 +181,15 @@ class Trainer:
         self.stop.install()
         self.provenance.start(**self._provenance_facts())
         try:
+            if self.validate_only and not weight:
+                raise ConfigError("validate_only=true evaluates given weights and trains nothing: pass "
+                                  "--train.weight PATH (weights.pth, model_best.pth or a checkpoint directory)")
             resumed_from, cursor = self._start(resume, weight)
             self.provenance.update(**self._start_facts(resumed_from, cursor))
+            if self._desync_params:
+                self._desync_rank1_parameters()
             self.describe()
-            final = self._fit_loop()
+            final = self._validate_once() if self.validate_only else self._fit_loop()
         except Interrupted:
             self.provenance.end(f"interrupted by {self.stop.signal_name}", checkpoint_step=self.state.step)
             raise
@@ -220,6 +227,7 @@ class Trainer:
             if not last and self.stop.agreed_now():  # a signal during validation or the epoch's end
                 self._stop_with_checkpoint()
         self.stop.drain()
+        self.provenance.update(parameters=self._parameter_facts())
         self.checkpoints.wait()
         self.metrics.close()
         if self.env.is_main:
@@ -227,6 +235,44 @@ class Trainer:
             self._write_summary(final)
         barrier()
         return final
+
+    def _validate_once(self) -> dict:
+        """validate_only: evaluate the warm-started weights once; nothing is trained or checkpointed."""
+        if self.val_set is None:
+            raise ConfigError("validate_only=true needs a validation set: set data.val.path")
+        final = self.evaluate()
+        self.provenance.update(parameters=self._parameter_facts())
+        self.metrics.close()
+        if self.env.is_main:
+            self._write_summary(final)
+        barrier()
+        return final
+
+    @torch.no_grad()
+    def _parameter_facts(self) -> dict:
+        """What every rank holds of the parameters (a collective: every rank calls it): the model's
+        element count, each rank's local element count (a DTensor's local shard) and a checksum of
+        those elements (float64 sum and sum of squares), in rank order."""
+        total, held, total_sum, total_squares = 0, 0, 0.0, 0.0
+        for p in self.module.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            values = local.detach().double()
+            total += p.numel()  # a DTensor's numel is the global one
+            held += local.numel()
+            total_sum += float(values.sum())
+            total_squares += float(values.square().sum())
+        ranks = all_gather_objects([held, total_sum, total_squares])
+        return {"total": total, "local": [r[0] for r in ranks], "checksum": [r[1:] for r in ranks]}
+
+    @torch.no_grad()
+    def _desync_rank1_parameters(self) -> None:
+        """debug.desync_rank_params: rank 1 shifts its parameters after the wrap (so after DDP's
+        initial broadcast) and the start: replicas that differ, which validate-scaling must catch."""
+        if self.env.rank != 1:
+            return
+        for p in self.module.parameters():
+            (p.to_local() if hasattr(p, "to_local") else p).add_(1e-3)
+        log.warning("debug.desync_rank_params: rank 1's parameters shifted by +1e-3")
 
     # -- start: fresh, warm start, or resume -----------------------------------------------
 
@@ -294,6 +340,7 @@ class Trainer:
             "workers_per_rank": self.plan.workers_per_rank,
             "global_batch_size": self.plan.global_batch_size,
             "strategy": self.strategy.name,
+            "validate_only": self.validate_only,
             "config_hash": config_hash(self.cfg),
             "data": data,
             "launch": self._launch_facts(),
@@ -323,7 +370,9 @@ class Trainer:
         window_loss = torch.zeros(2, dtype=torch.float64, device=self.env.device)
         window_start = time.perf_counter()
         progress = self._progress()
-        for batch in self.train_loader:
+        with loader_workers_forked():
+            batches = iter(self.train_loader)
+        for batch in batches:
             if self.event_log is not None:
                 self._record_event_ids(batch)
             loss = self._train_step(batch)
@@ -460,7 +509,9 @@ class Trainer:
                 logits = model(batch["coord"].to(device), batch["feat"].to(device), offset)
             return logits, batch["segment"].to(device), offset
 
-        for batch in loader:
+        with loader_workers_forked():
+            batches = iter(loader)
+        for batch in batches:
             logits, target, offset = forward(batch)
             _, event_losses = event_mean_loss(logits, target, offset)
             meter.update(logits, target, event_losses)

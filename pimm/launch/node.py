@@ -165,5 +165,7 @@ def _report_success(run_dir: Path) -> None:
     print(f"  config           {run_dir / 'config.py'}")
     print(f"  logs             {run_dir / 'logs'}/rank*.log")
     print(f"  metrics          {run_dir / 'metrics.jsonl'}")
-    print(f"  plot             {run_dir / 'plot.png'}")
-    print(f"  checkpoint       {run_dir / 'model' / 'last'}")
+    if (run_dir / "plot.png").exists():
+        print(f"  plot             {run_dir / 'plot.png'}")
+    if (run_dir / "model" / "last").exists():  # validate_only writes no checkpoint
+        print(f"  checkpoint       {run_dir / 'model' / 'last'}")
