@@ -8,7 +8,9 @@ exactly these, so a name is added in one place.
 OPTIMIZERS = ("SGD", "Adam", "AdamW")  # torch.optim classes of the same name
 SCHEDULERS = ("OneCycleLR", "CosineAnnealingLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR")
 MODELS = ("PointSegNet",)
-DATASETS = ("LArTPCDataset",)
+DATASETS = ("LArTPCDataset", "PILArNetDataset")
+PILARNET_REVISIONS = ("v1", "v2", "v3")  # PILArNetDataset revision=...; cluster columns in pimm.data.pilarnet_file
+PILARNET_LABELS = ("motif", "pid")  # PILArNetDataset label=...
 PARALLEL_STRATEGIES = ("ddp", "fsdp2")  # used when the world size is > 1
 NOT_IMPLEMENTED_STRATEGIES = ("tp", "tensor", "tensor_parallel", "pp", "pipeline", "pipeline_parallel", "fsdp",
                               "deepspeed", "zero")

@@ -1,4 +1,5 @@
-"""`pimm data synth` and `pimm data describe`: generate and inspect HDF5 event files."""
+"""`pimm data synth` and `pimm data describe`: generate and inspect HDF5 event files (pimm's own
+layout, or PILArNet-M's)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import time
 from pathlib import Path
 
+from pimm.names import PILARNET_REVISIONS as REVISIONS
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("data", help="generate or inspect event files", description="Event data sets.")
@@ -14,26 +17,46 @@ def add_parser(sub) -> None:
     synth = verbs.add_parser(
         "synth",
         help="generate synthetic LArTPC events",
-        description="Generate physics-inspired LArTPC events (5 PILArNet classes) into a chunked HDF5 file. "
+        description="Generate physics-inspired LArTPC events (5 PILArNet classes) into a chunked HDF5 file "
+        "(--layout pimm), or into PILArNet-M shards with variable-length point/cluster rows (--layout pilarnet). "
         "Deterministic per (seed, event index).",
     )
-    synth.add_argument("--out", type=Path, required=True, help="output .h5 file")
+    synth.add_argument("--out", type=Path, required=True,
+                       help="output .h5 file; with --layout pilarnet also a directory (shards in OUT/SPLIT/)")
     synth.add_argument("--events", type=int, required=True, help="number of events")
     synth.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    synth.add_argument("--layout", choices=("pimm", "pilarnet"), default="pimm",
+                       help="pimm: pimm's event file (type='LArTPCDataset'); pilarnet: PILArNet-M's layout "
+                       "(type='PILArNetDataset'). Default pimm")
+    synth.add_argument("--revision", choices=REVISIONS, default="v2",
+                       help="PILArNet cluster columns: v1 (5, no pid) or v2/v3 (6, with pid); default v2")
+    synth.add_argument("--shards", type=int, default=1, help="PILArNet shards to split the events into (default 1)")
+    synth.add_argument("--split", default="train", help="PILArNet split directory name under --out (default train)")
     synth.set_defaults(run=run_synth)
-    describe = verbs.add_parser("describe", help="print the identity and contents of an event file")
-    describe.add_argument("path", type=Path)
+    describe = verbs.add_parser("describe", help="print the identity and contents of an event file or PILArNet shards")
+    describe.add_argument("path", type=Path, help="a pimm event file, or a PILArNet shard or directory of shards")
+    describe.add_argument("--split", default="train", help="PILArNet: shards <path>/*SPLIT/*.h5 (default train)")
+    describe.add_argument("--revision", choices=REVISIONS, default=None,
+                          help="PILArNet: the files' revision (default: v2 if they have cluster_extra, else v1)")
     describe.set_defaults(run=run_describe)
 
 
 def run_synth(args: argparse.Namespace) -> int:
-    from pimm.data.synth import describe, write_dataset
+    from pimm.data.pilarnet_file import describe_pilarnet
+    from pimm.data.synth import describe, write_dataset, write_pilarnet
 
     start = time.perf_counter()
-    path = write_dataset(args.out, args.events, args.seed)
-    info = describe(path)
+    if args.layout == "pilarnet":
+        shards = write_pilarnet(args.out, args.events, args.seed, args.revision, args.shards, args.split)
+        path = args.out
+        info = describe_pilarnet(path, args.split, args.revision)
+        where = f"{len(shards)} {args.revision} shard(s) under {path}"
+    else:
+        path = write_dataset(args.out, args.events, args.seed)
+        info = describe(path)
+        where = str(path)
     print(
-        f"wrote {info['num_events']} events ({info['num_points']} points) to {path} "
+        f"wrote {info['num_events']} events ({info['num_points']} points) to {where} "
         f"in {time.perf_counter() - start:.1f}s; content hash {info['content_hash'][:16]}"
     )
     return 0
@@ -41,8 +64,13 @@ def run_synth(args: argparse.Namespace) -> int:
 
 def run_describe(args: argparse.Namespace) -> int:
     from pimm.data.dataset import validate_event_file
+    from pimm.data.pilarnet_file import describe_pilarnet, is_pilarnet
     from pimm.data.synth import describe
 
-    validate_event_file(args.path)
-    print(json.dumps(describe(args.path), indent=2, default=str))
+    if is_pilarnet(args.path):
+        info = describe_pilarnet(args.path, args.split, args.revision)
+    else:
+        validate_event_file(args.path)
+        info = describe(args.path)
+    print(json.dumps(info, indent=2, default=str))
     return 0

@@ -70,10 +70,22 @@ SPLITS = ("train", "val", "test")
 _DATASET = component("dataset", names.DATASETS)
 _SPLIT = {  # data.<split>.<key>
     "type": one_of(names.DATASETS),
-    "path": Rule("a path to a pimm event file (.h5)", lambda v: isinstance(v, str) and v.strip() != ""),
+    "path": Rule("a path to a pimm event file (.h5), or for PILArNetDataset a shard or a directory of shards",
+                 lambda v: isinstance(v, str) and v.strip() != ""),
     "max_len": optional(integer(1), "all events"),
     "augment": BOOL,
+    # PILArNetDataset only (pimm.data.pilarnet_file)
+    "split": Rule("a split name such as 'train' (shards <path>/*<split>/*.h5)",
+                  lambda v: isinstance(v, str) and v.strip() != ""),
+    "revision": one_of(names.PILARNET_REVISIONS),
+    "label": one_of(names.PILARNET_LABELS),
+    "min_points": integer(0),
+    "energy_threshold": number(0, strict=False),
+    "volume_size": number(0, strict=True),
+    "pid_unlabelled_as_none": BOOL,
 }
+_PILARNET_ONLY = ("split", "revision", "label", "min_points", "energy_threshold", "volume_size",
+                  "pid_unlabelled_as_none")
 REQUIRED, OPTIONAL = True, False
 
 # (dotted key, required, rule), parents before children. A nested key is looked at only when its
@@ -185,6 +197,13 @@ def check_config(cfg: dict) -> None:
             f"data.num_classes={num_classes} but model.num_classes={model['num_classes']}: the model must "
             "output one score per class of the data; set both to the same value"
         )
+    for split in SPLITS:
+        dataset = data.get(split)
+        if isinstance(dataset, dict) and dataset.get("type") != "PILArNetDataset":
+            given = [k for k in _PILARNET_ONLY if k in dataset]
+            if given:
+                raise ConfigError(f"data.{split}.{given[0]} is an option of PILArNetDataset, not of "
+                                  f"{dataset.get('type')}; remove it or set data.{split}.type='PILArNetDataset'")
     class_names = data.get("names")
     if class_names is not None and len(class_names) != num_classes:
         raise ConfigError(

@@ -13,13 +13,38 @@ import torch
 from torch.utils.data import Dataset
 
 from pimm.data.event_file import _H5_ERRORS, _OPEN_KW, _fail, _read_index, validate_event_file
+from pimm.data.pilarnet_file import _OPEN_KW as _PILARNET_OPEN_KW
+from pimm.data.pilarnet_file import (
+    DEFAULT_LABEL,
+    DEFAULT_REVISION,
+    DEFAULT_SPLIT,
+    IGNORE_LABEL,
+    LABEL_NAMES,
+    PID_NAMES,
+    event_arrays,
+    open_pilarnet,
+    point_labels,
+)
 from pimm.data.synth import DETECTOR_SIZE
-from pimm.errors import ConfigError
+from pimm.errors import ConfigError, DataError
 from pimm.registry import Registry
 
-__all__ = ["DATASETS", "LArTPCDataset", "build_dataset", "validate_event_file"]
+__all__ = ["DATASETS", "LArTPCDataset", "PILArNetDataset", "build_dataset", "validate_event_file"]
 
 DATASETS = Registry("dataset")
+
+
+def _check_options(seed: int, max_len: int | None, **positive: float) -> None:
+    """ConfigError for a dataset seed, max_len or positive number (by name) a dataset cannot use."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ConfigError(f"dataset seed must be an integer >= 0, got {seed!r}")
+    bad_len = isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1
+    if max_len is not None and bad_len:
+        raise ConfigError(f"dataset max_len must be a positive integer or None, got {max_len!r}")
+    for name, value in positive.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"dataset {name} must be a positive number, got {value!r}")
+
 
 @DATASETS.register
 class LArTPCDataset(Dataset):
@@ -30,6 +55,8 @@ class LArTPCDataset(Dataset):
     The HDF5 file is opened lazily in each process (never across a fork, never pickled).
     """
 
+    volume_size = DETECTOR_SIZE  # coordinates lie in [0, volume_size)^3: feature scale, rotation centre
+
     def __init__(
         self,
         path: str | Path,
@@ -38,13 +65,7 @@ class LArTPCDataset(Dataset):
         max_len: int | None = None,
         energy_scale: float = 1.0,
     ) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ConfigError(f"dataset seed must be an integer >= 0, got {seed!r}")
-        bad_len = isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1
-        if max_len is not None and bad_len:
-            raise ConfigError(f"dataset max_len must be a positive integer or None, got {max_len!r}")
-        if not isinstance(energy_scale, (int, float)) or not math.isfinite(energy_scale) or energy_scale <= 0:
-            raise ConfigError(f"dataset energy_scale must be a positive number, got {energy_scale!r}")
+        _check_options(seed, max_len, energy_scale=energy_scale)
         self.info, offsets, self.class_names = _read_index(path)
         self.path = self.info["path"]
         n = self.info["num_events"] if max_len is None else min(int(max_len), self.info["num_events"])
@@ -122,19 +143,19 @@ class LArTPCDataset(Dataset):
         flip = np.where(rng.random(2) < 0.5, -1.0, 1.0)
         theta = rng.uniform(0.0, 2.0 * np.pi)
         escale = rng.uniform(0.95, 1.05)
-        centre = DETECTOR_SIZE / 2.0
+        centre = self.volume_size / 2.0
         c = coord.astype(np.float64) - centre
         y, z = c[:, 1] * flip[0], c[:, 2] * flip[1]
         cos, sin = np.cos(theta), np.sin(theta)
         c[:, 1], c[:, 2] = cos * y - sin * z, sin * y + cos * z
         c += rng.normal(scale=0.1, size=c.shape) + centre
         out = c.astype(np.float32)
-        keep = np.all((out >= 0.0) & (out < DETECTOR_SIZE), axis=1)
+        keep = np.all((out >= 0.0) & (out < self.volume_size), axis=1)
         if keep.all():
             return out, (energy * escale).astype(np.float32), segment
         if not keep.any():
             # everything rotated out (tiny event in a corner): clamp rather than return nothing
-            out = np.clip(out, 0.0, np.nextafter(np.float32(DETECTOR_SIZE), np.float32(0)))
+            out = np.clip(out, 0.0, np.nextafter(np.float32(self.volume_size), np.float32(0)))
             keep[:] = True
         return out[keep], (energy[keep] * escale).astype(np.float32), segment[keep]
 
@@ -145,7 +166,7 @@ class LArTPCDataset(Dataset):
         if self.augment:
             coord, energy, segment = self._augment(coord, energy, segment, epoch, index)
         feat = np.empty((len(coord), 4), dtype=np.float32)
-        feat[:, :3] = coord * (2.0 / DETECTOR_SIZE) - 1.0  # centred, roughly [-1, 1]
+        feat[:, :3] = coord * (2.0 / self.volume_size) - 1.0  # centred, roughly [-1, 1]
         feat[:, 3] = np.log1p(energy / self.energy_scale)  # compresses the Landau tail
         return {
             "coord": torch.from_numpy(np.ascontiguousarray(coord, dtype=np.float32)),
@@ -158,8 +179,117 @@ class LArTPCDataset(Dataset):
         return f"LArTPCDataset({self.path!r}, events={len(self)}, augment={self.augment}, seed={self.seed})"
 
 
+@DATASETS.register
+class PILArNetDataset(LArTPCDataset):
+    """Events of PILArNet-M shards (layout in `pimm.data.pilarnet_file`) in LArTPCDataset's format:
+    coord (N,3), feat (N,4), segment (N,) int64 (the `label` column: "motif" or "pid", -1 = ignore),
+    event_id (the index in the selection, over all shards in order).
+
+    `path` is one .h5 shard, a directory with `*<split>/*.h5`, or a directory of .h5 files.
+    Events with fewer than `min_points` points or less than `energy_threshold` MeV in total are
+    left out, through an index cached beside each shard (built on first use). `volume_size` is
+    the side of the cube the coordinates fill (768 voxels in PILArNet-M). With
+    `pid_unlabelled_as_none`, pid -1 (the low-energy deposits of PILArNet-M v2) becomes class 5
+    "none", as in Pointcept's PILArNet reader. Shards are opened lazily, one handle per shard
+    and process, never across a fork.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        split: str = DEFAULT_SPLIT,
+        revision: str = DEFAULT_REVISION,
+        label: str = DEFAULT_LABEL,
+        min_points: int = 0,
+        energy_threshold: float = 0.0,
+        augment: bool = False,
+        seed: int = 0,
+        max_len: int | None = None,
+        energy_scale: float = 1.0,
+        volume_size: float = 768.0,
+        pid_unlabelled_as_none: bool = False,
+    ) -> None:
+        _check_options(seed, max_len, energy_scale=energy_scale, volume_size=volume_size)
+        self.info, shards, rows = open_pilarnet(path, split, revision, label, min_points, energy_threshold)
+        self.path = self.info["path"]
+        self.shards = [str(s) for s in shards]
+        n = self.info["num_events"] if max_len is None else min(int(max_len), self.info["num_events"])
+        # (shard, row) of every selected event: index lookups never touch the files
+        self.event_shard = np.concatenate([np.full(len(r), i, np.int32) for i, r in enumerate(rows)])[:n]
+        self.event_row = np.concatenate(rows)[:n]
+        self.revision, self.label = revision, label
+        self.class_names = list(LABEL_NAMES[label])
+        self.augment = bool(augment)
+        self.seed = int(seed)
+        self.energy_scale = float(energy_scale)
+        self.volume_size = float(volume_size)
+        self.pid_unlabelled_as_none = bool(pid_unlabelled_as_none)
+        self._reset_handle()
+
+    def _reset_handle(self) -> None:
+        self._files: dict[int, tuple[h5py.File, h5py.Dataset, h5py.Dataset]] = {}
+        self._pid: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.event_row)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_files"], state["_pid"] = {}, None  # open HDF5 handles must not travel
+        return state
+
+    def close(self) -> None:
+        """Close this process's shard handles (they are reopened on the next access)."""
+        if self._pid == os.getpid():
+            for f, _, _ in self._files.values():
+                f.close()
+        self._reset_handle()
+
+    def _open_shard(self, shard: int) -> tuple[h5py.Dataset, h5py.Dataset]:
+        """This process's (point, cluster) datasets of one shard, opening it on first use."""
+        if self._pid != os.getpid():
+            self._reset_handle()  # handles inherited through fork share HDF5 state with the parent
+            self._pid = os.getpid()
+        if shard not in self._files:
+            path = self.shards[shard]
+            try:
+                f = h5py.File(path, **_PILARNET_OPEN_KW)
+                self._files[shard] = (f, f["point"], f["cluster"])
+            except _H5_ERRORS as exc:
+                raise DataError(f"PILArNet file {path}: cannot be reopened ({exc}); was it changed after "
+                                "indexing?") from exc
+        return self._files[shard][1:]
+
+    def read_raw(self, index: int) -> dict[str, np.ndarray]:
+        """Event `index` of the selection: point (N,8) and cluster (K,5|6) as stored, and coord (N,3)
+        float32, energy (N,) float32, segment (N,) int64 (the chosen label per point)."""
+        shard, row = int(self.event_shard[index]), int(self.event_row[index])
+        point_ds, cluster_ds = self._open_shard(shard)
+        path = Path(self.shards[shard])
+        try:
+            point_row, cluster_row = point_ds[row], cluster_ds[row]
+        except _H5_ERRORS as exc:
+            raise DataError(f"PILArNet file {path}: event {row} is unreadable: {exc}") from exc
+        point, cluster = event_arrays(path, row, point_row, cluster_row, self.revision)
+        segment = point_labels(cluster, self.label)
+        if self.pid_unlabelled_as_none and self.label == "pid":
+            segment[segment == IGNORE_LABEL] = PID_NAMES.index("none")
+        return {
+            "point": point,
+            "cluster": cluster,
+            "coord": np.ascontiguousarray(point[:, :3], dtype=np.float32),
+            "energy": np.ascontiguousarray(point[:, 3], dtype=np.float32),
+            "segment": segment,
+        }
+
+    def __repr__(self) -> str:
+        return (f"PILArNetDataset({self.path!r}, revision={self.revision}, label={self.label}, shards="
+                f"{len(self.shards)}, events={len(self)}, augment={self.augment}, seed={self.seed})")
+
+
 def build_dataset(cfg: dict, seed: int) -> LArTPCDataset:
-    """Build a dataset from a config dict such as `dict(type="LArTPCDataset", path=..., augment=True)`."""
+    """Build a dataset from a config dict such as `dict(type="LArTPCDataset", path=..., augment=True)`
+    or `dict(type="PILArNetDataset", path=..., split="train", revision="v2", label="motif")`."""
     if isinstance(cfg, dict) and "seed" in cfg:
         raise ConfigError(f"dataset config {cfg!r} sets 'seed'; the dataset seed comes from the run seed")
     return DATASETS.build(cfg, seed=seed)

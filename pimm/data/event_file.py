@@ -1,4 +1,5 @@
-"""Identify and check pimm event files without importing torch (the launcher uses this)."""
+"""Identify and check pimm event files without importing torch (the launcher uses this); `validate_data`
+also dispatches PILArNet-M shards to `pimm.data.pilarnet_file`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from pimm.data.pilarnet_file import open_pilarnet
 from pimm.data.synth import _DTYPES, CHUNK_ROWS, CLASS_NAMES, FORMAT, FORMAT_VERSION, synth_command
 from pimm.errors import DataError
 
@@ -125,6 +127,18 @@ def validate_event_file(path: str | Path, num_classes: int | None = None) -> dic
     if num_classes is not None:
         _check_labels(Path(info["path"]), offsets, num_classes)
     return info
+
+
+def validate_data(dataset: dict, num_classes: int | None = None) -> dict[str, Any]:
+    """Check the data a dataset config (`dict(type=..., path=..., ...)`) names, by its layout;
+    return its identity ({path, size_bytes, num_events, content_hash, ...}; num_events after any
+    event selection). Raises DataError or ConfigError saying what is wrong. Leaves no file open."""
+    if dataset.get("type") == "PILArNetDataset":
+        selection = ("split", "revision", "label", "min_points", "energy_threshold")
+        info, _, _ = open_pilarnet(dataset["path"], num_classes=num_classes,
+                                   **{k: dataset[k] for k in selection if k in dataset})
+        return info
+    return validate_event_file(dataset["path"], num_classes=num_classes)
 
 
 def _check_labels(path: Path, offsets: np.ndarray, num_classes: int) -> None:

@@ -8,7 +8,8 @@ isolated low-energy blips. Every event is a pure function of (seed, index).
 
 File layout (format "pimm-events", version 1): flat datasets `coord` (N,3) float32,
 `energy` (N,) float32, `segment` (N,) uint8 and `offsets` (E+1,) int64, event i being rows
-offsets[i]:offsets[i+1].
+offsets[i]:offsets[i+1]. `write_pilarnet` writes the same events in PILArNet-M's layout (one
+cluster per object; see pimm.data.pilarnet_file).
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from pimm.data.pilarnet_file import CLUSTER_COLUMNS, POINT_COLUMNS
 from pimm.errors import DataError
 
 CLASS_NAMES = ("shower", "track", "michel", "delta", "low_energy")
 SHOWER, TRACK, MICHEL, DELTA, LOW_ENERGY = range(len(CLASS_NAMES))
+PHOTON, ELECTRON, MUON, PION, PROTON = range(5)  # pilarnet_file.PID_NAMES
+NO_PID = -1  # PILArNet-M's particle type of low-energy deposits
 DETECTOR_SIZE = 256.0
 
 FORMAT = "pimm-events"
@@ -154,8 +158,10 @@ def _electron(
     return pts, dedx * step * _UNIT_CM * rise * _landau_factor(rng, n, 0.15)
 
 
-def _shower(rng: np.random.Generator, origin: np.ndarray, direction: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """An electromagnetic cascade as a tree of straight segments: (points, energies).
+def _shower(
+    rng: np.random.Generator, origin: np.ndarray, direction: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """An electromagnetic cascade as a tree of straight segments: (points, energies, started by a photon).
 
     A photon converts after a gap (an electron starts at once); each segment splits in two
     children with a larger opening angle, less energy and a shorter length until the energy
@@ -202,7 +208,7 @@ def _shower(rng: np.random.Generator, origin: np.ndarray, direction: np.ndarray)
     # the photon-converted trunk carries an e+e- pair: twice the ionisation of one electron
     pairs = np.where((s_depth[seg] == 0) & photon, 2.0, 1.0)
     energy = _MIP_DEDX * spacing * _UNIT_CM * pairs * _landau_factor(rng, len(seg), 0.25)
-    return pts, energy
+    return pts, energy, photon
 
 
 def _blips(rng: np.random.Generator, activity: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -225,9 +231,12 @@ def _blips(rng: np.random.Generator, activity: np.ndarray) -> tuple[np.ndarray, 
 
 def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
     """Event `index` of the synthetic data set `seed`: coord (N,3) float32, energy (N,) float32,
-    segment (N,) uint8. A pure function of (seed, index) (both non-negative integers)."""
+    segment (N,) uint8, and per point the object it belongs to, instance (N,) int32 (tracks,
+    Michels, deltas and showers in drawing order, the low-energy blips last), and that object's
+    particle type, pid (N,) int8 (pilarnet_file.PID_NAMES; -1 for blips, as in PILArNet-M).
+    A pure function of (seed, index) (both non-negative integers)."""
     rng = np.random.default_rng([seed, index])
-    parts: list[tuple[np.ndarray, np.ndarray, int]] = []
+    parts: list[tuple[np.ndarray, np.ndarray, int, int]] = []  # (points, energies, semantic, pid) per object
 
     vertex = rng.uniform(40.0, DETECTOR_SIZE - 40.0, size=3)  # neutrino-like interaction vertex
     n_tracks = int(rng.integers(1, 4))
@@ -237,31 +246,33 @@ def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
         start = vertex if from_vertex else rng.uniform(10.0, DETECTOR_SIZE - 10.0, size=3)
         direction = _random_dirs(rng, 1)[0]
         pts, energy, stops = _track(rng, start, direction, proton)
-        parts.append((pts, energy, TRACK))
+        parts.append((pts, energy, TRACK, PROTON if proton else MUON))
         if not proton and stops and rng.random() < 0.6:
             end_dir = _random_dirs(rng, 1)[0]
             kinks = int(rng.integers(1, 4))
             m_pts, m_e = _electron(rng, pts[-1], end_dir, rng.uniform(10.0, 35.0), 0.8, 0.05, kinks, _MIP_DEDX)
-            parts.append((m_pts, m_e, MICHEL))
+            parts.append((m_pts, m_e, MICHEL, ELECTRON))
         for _ in range(int(rng.integers(0, 4))):
             at = int(rng.integers(int(0.1 * len(pts)), max(int(0.85 * len(pts)), int(0.1 * len(pts)) + 1)))
             local = _unit(pts[min(at + 3, len(pts) - 1)] - pts[max(at - 3, 0)])
             d_dir = _tilt(rng, local[None], np.array([rng.uniform(0.8, 1.5)]))[0]
             d_pts, d_e = _electron(rng, pts[at], d_dir, rng.uniform(3.0, 12.0), 0.7, 0.15, 0, 0.6 * _MIP_DEDX)
-            parts.append((d_pts, d_e, DELTA))
+            parts.append((d_pts, d_e, DELTA, ELECTRON))
 
     for _ in range(int(rng.choice(3, p=[0.15, 0.45, 0.4]))):
         origin = vertex if rng.random() < 0.5 else rng.uniform(20.0, DETECTOR_SIZE - 20.0, size=3)
-        s_pts, s_e = _shower(rng, origin, _random_dirs(rng, 1)[0])
-        parts.append((s_pts, s_e, SHOWER))
+        s_pts, s_e, photon = _shower(rng, origin, _random_dirs(rng, 1)[0])
+        parts.append((s_pts, s_e, SHOWER, PHOTON if photon else ELECTRON))
 
-    activity = np.concatenate([p for p, _, _ in parts])
+    activity = np.concatenate([p for p, *_ in parts])
     b_pts, b_e = _blips(rng, activity)
-    parts.append((b_pts, b_e, LOW_ENERGY))
+    parts.append((b_pts, b_e, LOW_ENERGY, NO_PID))
 
-    coord = np.concatenate([p for p, _, _ in parts]).astype(np.float32)
-    energy = np.concatenate([e for _, e, _ in parts]).astype(np.float32)
-    segment = np.concatenate([np.full(len(p), label, dtype=np.uint8) for p, _, label in parts])
+    coord = np.concatenate([p for p, *_ in parts]).astype(np.float32)
+    energy = np.concatenate([e for _, e, _, _ in parts]).astype(np.float32)
+    segment = np.concatenate([np.full(len(p), label, dtype=np.uint8) for p, _, label, _ in parts])
+    instance = np.concatenate([np.full(len(p), i, dtype=np.int32) for i, (p, *_) in enumerate(parts)])
+    pid = np.concatenate([np.full(len(p), kind, dtype=np.int8) for p, _, _, kind in parts])
     # test containment after the float32 cast: 255.99999999 would round onto the face
     keep = np.all((coord >= 0.0) & (coord < DETECTOR_SIZE), axis=1)
     # real images come in voxel order, not object by object: do not leak labels through order
@@ -270,6 +281,8 @@ def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
         "coord": np.ascontiguousarray(coord[keep][order]),
         "energy": energy[keep][order],
         "segment": segment[keep][order],
+        "instance": instance[keep][order],
+        "pid": pid[keep][order],
     }
 
 
@@ -373,6 +386,101 @@ def write_dataset(path: str | Path, num_events: int, seed: int) -> Path:
         tmp.unlink(missing_ok=True)  # never leave a partial temp file behind (also on Ctrl-C)
         raise
     return path
+
+
+# ----------------------------------------------------------------------------- the PILArNet-M layout
+
+
+def pilarnet_event(seed: int, index: int, revision: str = "v2") -> dict[str, np.ndarray]:
+    """Event `index` of `seed` as PILArNet-M stores it: point (N, 8) float32 (x, y, z, energy, drift
+    time, electrons, dx, 0) and cluster (K, 5|6) int64 rows, one cluster per generated object, points
+    stored cluster by cluster (the blips first, as in PILArNet-M, then the objects in drawing order);
+    also coord, energy, segment (uint8) and pid (int8) in that stored order."""
+    if revision not in CLUSTER_COLUMNS:
+        raise DataError(f"revision {revision!r} is unknown; use one of {', '.join(CLUSTER_COLUMNS)}")
+    e = generate_event(seed, index)
+    rank = np.where(e["segment"] == LOW_ENERGY, -1, e["instance"])
+    order = np.argsort(rank, kind="stable")
+    _, first, sizes = np.unique(rank[order], return_index=True, return_counts=True)
+    coord, energy, segment, pid = (e[k][order] for k in ("coord", "energy", "segment", "pid"))
+    point = np.zeros((len(coord), POINT_COLUMNS), np.float32)
+    point[:, :3], point[:, 3] = coord, energy
+    point[:, 4] = coord[:, 0] * 0.5  # drift time, ~0.5 us per voxel
+    point[:, 5] = energy / 23.6e-6  # ionisation electrons (W = 23.6 eV in argon)
+    point[:, 6] = _UNIT_CM
+    k = np.arange(len(sizes))
+    interaction = np.where(segment[first] == LOW_ENERGY, -1, 0)
+    # v1 [size, fragment, group, interaction, semantic]; v2/v3 [size, cluster_id, group_id, interaction_id,
+    # semantic, pid]
+    columns = [sizes, k, k, interaction, segment[first]] + ([pid[first]] if CLUSTER_COLUMNS[revision] == 6 else [])
+    return {"point": point, "cluster": np.stack(columns, axis=1).astype(np.int64),
+            "coord": coord, "energy": energy, "segment": segment, "pid": pid}
+
+
+def write_pilarnet_file(
+    path: str | Path,
+    events: list[dict[str, np.ndarray]],
+    point_dtype: np.dtype | type = np.float32,
+    cluster_dtype: np.dtype | type = np.int64,
+    attrs: dict | None = None,
+) -> Path:
+    """Write events ({"point": (N, 8), "cluster": (K, C)[, "cluster_extra": (K, 5)]}) as one PILArNet-M
+    shard: flat variable-length rows in `point`, `cluster` (and `cluster_extra` when every event has
+    one). Written beside `path` and moved into place when complete; returns the path."""
+    path = Path(path)
+    tmp = path.with_suffix(".h5.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with h5py.File(tmp, "w") as f:
+            names = ["point", "cluster"] + (["cluster_extra"] if all("cluster_extra" in e for e in events) else [])
+            for name in names:
+                dtype = {"point": point_dtype, "cluster": cluster_dtype}.get(name, np.float32)
+                d = f.create_dataset(name, shape=(len(events),), dtype=h5py.vlen_dtype(np.dtype(dtype)))
+                for i, event in enumerate(events):
+                    d[i] = np.asarray(event[name], dtype=dtype).ravel()
+            f.attrs.update(attrs or {})
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"cannot write the PILArNet file {path}: {exc}; choose a writable --out path") from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_pilarnet(
+    out: str | Path, num_events: int, seed: int, revision: str = "v2", shards: int = 1, split: str = "train"
+) -> list[Path]:
+    """Generate events 0..num_events-1 of `seed` in the PILArNet-M layout; returns the shard paths.
+
+    `out` ending in .h5 is one file; otherwise shards go to `<out>/<split>/<split>_NNN.h5`, events
+    split evenly between them in order (read back with path=out, split=split)."""
+    num_events = _check_int(num_events, "the number of events", 1)
+    seed = _check_int(seed, "the seed", 0)
+    shards = _check_int(shards, "the number of shards", 1)
+    out = Path(out)
+    if out.suffix == ".h5" and shards > 1:
+        raise DataError(f"--out {out} is one file but --shards is {shards}; give a directory for several shards")
+    if shards > num_events:
+        raise DataError(f"{shards} shards need at least as many events, got {num_events}")
+    paths = [out] if out.suffix == ".h5" else [out / split / f"{split}_{i:03d}.h5" for i in range(shards)]
+    written = []
+    for shard, indices in zip(paths, np.array_split(np.arange(num_events), shards)):
+        events = []
+        for i in indices:
+            event = pilarnet_event(seed, int(i), revision)
+            if CLUSTER_COLUMNS[revision] == 6:
+                sizes = event["cluster"][:, 0]
+                extra = np.zeros((len(sizes), 5), np.float32)  # pimm does not read cluster_extra
+                extra[:, 0] = np.arange(len(sizes))
+                extra[:, 1] = np.add.reduceat(event["energy"], np.cumsum(sizes) - sizes)  # momentum stand-in: MeV
+                event["cluster_extra"] = extra
+            events.append(event)
+        attrs = {"generator": GENERATOR, "generator_version": GENERATOR_VERSION, "seed": seed, "revision": revision,
+                 "first_event": int(indices[0])}
+        written.append(write_pilarnet_file(shard, events, attrs=attrs))
+    return written
 
 
 def compute_content_hash(path: str | Path) -> str:

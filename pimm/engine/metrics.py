@@ -19,7 +19,8 @@ class SegmentationMeter:
 
     def update(self, logits: torch.Tensor, target: torch.Tensor, event_losses: torch.Tensor) -> None:
         pred = logits.argmax(dim=1)
-        flat = target * self.num_classes + pred
+        valid = target >= 0  # -1 (PILArNet's "ignore") is left out of the confusion matrix
+        flat = target[valid] * self.num_classes + pred[valid]
         self.confusion += torch.bincount(flat, minlength=self.num_classes**2).view(self.num_classes, -1)
         self.loss_sum += event_losses.double().sum()
         self.events += event_losses.numel()

@@ -55,12 +55,14 @@ class TrainState:
 
 
 def event_mean_loss(logits: torch.Tensor, target: torch.Tensor, offset: torch.Tensor):
-    """Per-event mean cross-entropy and its mean over events -> (loss, event_losses)."""
-    point_loss = F.cross_entropy(logits.float(), target, reduction="none")
-    counts = torch.diff(offset, prepend=offset.new_zeros(1))
+    """Per-event mean cross-entropy and its mean over events -> (loss, event_losses). Points
+    labelled -1 (PILArNet's "ignore") count in neither the sum nor the mean (an all-ignored event
+    contributes 0); a configurable ignore index belongs to the task interface."""
+    point_loss = F.cross_entropy(logits.float(), target, reduction="none", ignore_index=-1)
     event_index = offset_to_batch_index(offset, len(point_loss))
+    counts = point_loss.new_zeros(len(offset)).index_add_(0, event_index, (target != -1).to(point_loss.dtype))
     event_sums = point_loss.new_zeros(len(offset)).index_add_(0, event_index, point_loss)
-    event_losses = event_sums / counts
+    event_losses = event_sums / counts.clamp(min=1)
     return event_losses.mean(), event_losses
 
 

@@ -125,15 +125,17 @@ def _parameter_mismatch(old_model: dict, new_model: dict) -> str | None:
 
 
 def _train_events(cfg: dict) -> int:
-    from pimm.data.event_file import validate_event_file
+    from pimm.data.event_file import validate_data
 
     train = cfg["data"]["train"]
-    events = validate_event_file(train["path"])["num_events"]
+    events = validate_data(train)["num_events"]
     return min(events, train["max_len"]) if train.get("max_len") else events
 
 
 def _check_schedule_length(saved: SavedRun, cfg: dict, changes: dict, restart_hint: str) -> None:
-    length_inputs = [k for k in changes if k in ("epochs", "batch_size", "data.train.path", "data.train.max_len")]
+    length_inputs = [k for k in changes if k in ("epochs", "batch_size", "data.train.path", "data.train.max_len",
+                                                 "data.train.split", "data.train.min_points",
+                                                 "data.train.energy_threshold")]
     scheduler = cfg.get("scheduler")
     if not length_inputs or not scheduler:
         return

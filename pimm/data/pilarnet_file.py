@@ -1,0 +1,352 @@
+"""The PILArNet-M file layout: finding shards, a cached per-file event index, torch-free checks.
+
+Layout, as DeepLearnPhysics/PILArNet-M publishes it: shards `<root>/*<split>/*.h5`, each holding
+one row per event in the variable-length datasets `point` (N*8 values per row: x, y, z, deposited
+energy, then 4 more columns) and `cluster` (K*5 values in revision v1: size, fragment, group,
+interaction, semantic; K*6 in v2/v3: size, cluster_id, group_id, interaction_id, semantic, pid),
+and in v2/v3 `cluster_extra` (not read). Points are stored cluster by cluster, so a point's labels
+are its cluster's, repeated `size` times. Label -1 means "ignore".
+
+The writer is `pimm.data.synth.write_pilarnet`, the torch reader `pimm.data.dataset.PILArNetDataset`;
+both import their constants from here. The launcher calls `open_pilarnet` (via
+`pimm.data.event_file.validate_data`) before any process starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from pimm import names
+from pimm.errors import ConfigError, DataError
+
+LAYOUT = "pilarnet"
+POINT_COLUMNS = 8  # x, y, z, energy, time, electrons, dx, and one more
+CLUSTER_COLUMNS = {"v1": 5, "v2": 6, "v3": 6}
+REVISIONS = names.PILARNET_REVISIONS  # the keys of CLUSTER_COLUMNS
+SIZE_COLUMN = 0
+LABEL_COLUMNS = {"motif": 4, "pid": 5}  # semantic and pid columns of a cluster row (pid: v2/v3 only)
+MOTIF_NAMES = ("shower", "track", "michel", "delta", "low_energy")
+PID_NAMES = ("photon", "electron", "muon", "pion", "proton", "none")
+LABEL_NAMES = {"motif": MOTIF_NAMES, "pid": PID_NAMES}
+IGNORE_LABEL = -1
+DEFAULT_SPLIT, DEFAULT_REVISION, DEFAULT_LABEL = "train", "v2", "motif"
+INDEX_SUFFIX = ".pimm-index.npz"  # the cached event index beside each shard
+INDEX_VERSION = 1
+DATASET_NAMES = ("point", "cluster")  # required; cluster_extra is optional
+
+_FINGERPRINT_BYTES = 1 << 20  # a shard's identity: its size and sha256 of its first and last MiB
+_SCAN_EVENTS = 256  # events per read while indexing: bounded memory, few HDF5 calls
+# published files are never written while read; HDF5 file locks fail on some parallel file systems
+_OPEN_KW = {"mode": "r", "locking": False}
+_H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError)
+_CACHE_ERRORS = (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile)
+_INDEX_KEYS = ("num_points", "energy", "label_min", "label_max", "label_counts")
+_memory_index: dict[tuple, dict[str, np.ndarray]] = {}  # indexes that could not be written beside their file
+_warned_dirs: set[str] = set()
+log = logging.getLogger("pimm")
+
+
+def synth_pilarnet_command(path: str | Path = "DIR") -> str:
+    """The CLI command that writes synthetic PILArNet-layout shards, for error messages."""
+    return f"`pimm data synth --layout pilarnet --out {path} --events N --seed S`"
+
+
+def _fail(path: Path, problem: str, todo: str | None = None) -> DataError:
+    return DataError(f"PILArNet file {path}: {problem}; {todo or 'check the file or download it again'}")
+
+
+# ----------------------------------------------------------------------------- options and shards
+
+
+def check_options(revision: str, label: str, min_points: int, energy_threshold: float) -> None:
+    """ConfigError for a selection option PILArNetDataset cannot use."""
+    if revision not in REVISIONS:
+        raise ConfigError(f"PILArNetDataset revision={revision!r} is unknown; use one of {', '.join(REVISIONS)}")
+    if label not in LABEL_NAMES:
+        raise ConfigError(f"PILArNetDataset label={label!r} is unknown; use 'motif' (5 semantic classes) or 'pid'")
+    if label == "pid" and CLUSTER_COLUMNS[revision] <= LABEL_COLUMNS["pid"]:
+        raise ConfigError(f"PILArNetDataset label='pid' needs revision v2 or v3: revision {revision} clusters have "
+                          "no pid column; use label='motif' or v2/v3 files")
+    if isinstance(min_points, bool) or not isinstance(min_points, (int, np.integer)) or min_points < 0:
+        raise ConfigError(f"PILArNetDataset min_points must be an integer >= 0, got {min_points!r}")
+    bad = isinstance(energy_threshold, bool) or not isinstance(energy_threshold, (int, float))
+    if bad or not math.isfinite(energy_threshold) or energy_threshold < 0:
+        raise ConfigError(f"PILArNetDataset energy_threshold must be a finite number >= 0 (MeV), "
+                          f"got {energy_threshold!r}")
+
+
+def find_shards(path: str | Path, split: str = DEFAULT_SPLIT) -> tuple[Path, list[Path]]:
+    """(root, sorted shard files) for `path`: one .h5 file, `<path>/*<split>/*.h5`, or `<path>/*.h5`."""
+    given = Path(path)
+    root = given.absolute()
+    if root.is_file():
+        return root, [root]
+    if not root.exists():
+        where = "" if given.is_absolute() else f" (relative to the current directory {Path.cwd()})"
+        raise _fail(root, f"no such file or directory{where}",
+                    f"point data.<split>.path at PILArNet-M shards, or write some with {synth_pilarnet_command()}")
+    shards = sorted(p for p in root.glob(f"*{split}/*.h5") if p.is_file())
+    if not shards:
+        shards = sorted(p for p in root.glob("*.h5") if p.is_file())
+    if not shards:
+        raise _fail(root, f"no shards: neither {root}/*{split}/*.h5 nor {root}/*.h5 exists",
+                    f"check the path and split={split!r} (the published layout is <root>/<...>{split}/*.h5)")
+    return root, shards
+
+
+# ----------------------------------------------------------------------------- events
+
+
+def event_arrays(path: Path, row: int, point_row: np.ndarray, cluster_row: np.ndarray,
+                 revision: str) -> tuple[np.ndarray, np.ndarray]:
+    """One stored event -> points (N, 8) and clusters (K, 5|6) int64, checking that the cluster
+    sizes cover the points exactly; DataError naming the file and event otherwise."""
+    columns = CLUSTER_COLUMNS[revision]
+    if point_row.size % POINT_COLUMNS:
+        raise _fail(path, f"event {row}: its 'point' row has {point_row.size} values, not a multiple of "
+                    f"{POINT_COLUMNS} (x, y, z, energy and 4 more per point)")
+    if cluster_row.size % columns:
+        other = [r for r, c in CLUSTER_COLUMNS.items() if c != columns and cluster_row.size % c == 0]
+        hint = f"; is it revision {other[0]}?" if other else ""
+        raise _fail(path, f"event {row}: its 'cluster' row has {cluster_row.size} values, not a multiple of "
+                    f"{columns} (revision {revision}){hint}", "set data.<split>.revision to the files' revision")
+    points = point_row.reshape(-1, POINT_COLUMNS)
+    clusters = cluster_row.reshape(-1, columns).astype(np.int64)
+    sizes = clusters[:, SIZE_COLUMN]
+    if np.any(sizes < 0) or int(sizes.sum()) != len(points):
+        raise _fail(path, f"event {row}: cluster sizes sum to {int(sizes.sum())} (smallest {sizes.min(initial=0)}) "
+                    f"but the event has {len(points)} points", "the labels cannot be assigned; skip or fix the file")
+    return points, clusters
+
+
+def point_labels(clusters: np.ndarray, label: str) -> np.ndarray:
+    """Per-point labels (N,) int64: each cluster's `label` column repeated over its points."""
+    return np.repeat(clusters[:, LABEL_COLUMNS[label]], clusters[:, SIZE_COLUMN])
+
+
+# ----------------------------------------------------------------------------- the per-file index
+
+
+def _vlen_datasets(f: h5py.File, path: Path) -> tuple[h5py.Dataset, h5py.Dataset]:
+    """The file's `point` and `cluster` datasets, checked to be 1-D numeric vlen with one row per event."""
+    for name in DATASET_NAMES:
+        d = f.get(name)
+        if not isinstance(d, h5py.Dataset):
+            raise _fail(path, f"dataset '{name}' is missing (found {sorted(f.keys())})",
+                        "is this a PILArNet-M shard? pimm's own event files are read by type='LArTPCDataset'")
+        base = h5py.check_vlen_dtype(d.dtype)
+        if d.ndim != 1 or base is None or base.kind not in "iuf":
+            raise _fail(path, f"dataset '{name}' has shape {d.shape} and dtype {d.dtype}, expected one "
+                        "variable-length numeric row per event (shape (E,))")
+    point, cluster = f["point"], f["cluster"]
+    if len(point) != len(cluster):
+        raise _fail(path, f"'point' has {len(point)} rows but 'cluster' has {len(cluster)}; one row per event each")
+    return point, cluster
+
+
+def _scan(path: Path, revision: str) -> dict[str, np.ndarray]:
+    """Read every event once: per-event point count, total energy, range of each label; per-file
+    point counts of each label value (-1, 0.., and 'out of range' last)."""
+    bins = len(PID_NAMES) + 2
+    with h5py.File(path, **_OPEN_KW) as f:
+        point_ds, cluster_ds = _vlen_datasets(f, path)
+        n = len(point_ds)
+        num_points, energy = np.zeros(n, np.int64), np.zeros(n, np.float64)
+        label_min = np.full((len(LABEL_COLUMNS), n), IGNORE_LABEL, np.int64)
+        label_max = label_min.copy()
+        counts = np.zeros((len(LABEL_COLUMNS), bins), np.int64)
+        present = [(i, col) for i, col in enumerate(LABEL_COLUMNS.values()) if col < CLUSTER_COLUMNS[revision]]
+        for lo in range(0, n, _SCAN_EVENTS):
+            block = zip(point_ds[lo : lo + _SCAN_EVENTS], cluster_ds[lo : lo + _SCAN_EVENTS])
+            for row, (point_row, cluster_row) in enumerate(block, start=lo):
+                points, clusters = event_arrays(path, row, point_row, cluster_row, revision)
+                num_points[row] = len(points)
+                energy[row] = points[:, 3].sum(dtype=np.float64)
+                sizes = clusters[:, SIZE_COLUMN]
+                for i, col in present:
+                    values = clusters[:, col]
+                    if len(values):
+                        label_min[i, row], label_max[i, row] = values.min(), values.max()
+                    counts[i] += np.bincount(np.clip(values + 1, 0, bins - 1), weights=sizes,
+                                             minlength=bins).astype(np.int64)
+    return {"num_points": num_points, "energy": energy, "label_min": label_min, "label_max": label_max,
+            "label_counts": counts}
+
+
+def _fingerprint(path: Path, size: int) -> str:
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as fh:
+        h.update(fh.read(_FINGERPRINT_BYTES))
+        if size > _FINGERPRINT_BYTES:
+            fh.seek(max(size - _FINGERPRINT_BYTES, _FINGERPRINT_BYTES))
+            h.update(fh.read())
+    return h.hexdigest()
+
+
+def index_path(shard: Path) -> Path:
+    """Where the event index of `shard` is cached."""
+    return shard.with_name(shard.name + INDEX_SUFFIX)
+
+
+def shard_index(shard: Path, revision: str) -> dict[str, Any]:
+    """The event index of one shard: {num_points, energy, label_min, label_max, label_counts,
+    fingerprint}. Read from `<shard>.pimm-index.npz` when that matches the shard's size and
+    mtime; else built by reading the shard once and written there atomically (kept in memory,
+    with one warning, where the directory is read-only)."""
+    try:
+        st = shard.stat()
+    except OSError as exc:
+        raise _fail(shard, f"cannot be read: {exc}") from exc
+    stamp = np.array([INDEX_VERSION, st.st_size, st.st_mtime_ns], np.int64)
+    key = (str(shard), revision, *stamp.tolist())
+    if key in _memory_index:
+        return _memory_index[key]
+    cache = index_path(shard)
+    try:
+        with np.load(cache, allow_pickle=False) as z:
+            if np.array_equal(z["stamp"], stamp) and str(z["revision"]) == revision:
+                return {**{k: z[k] for k in _INDEX_KEYS}, "fingerprint": str(z["fingerprint"])}
+    except _CACHE_ERRORS:
+        pass  # none yet, or a corrupt or foreign one: build it
+    try:
+        index = _scan(shard, revision)
+        fingerprint = _fingerprint(shard, st.st_size)
+    except DataError:
+        raise
+    except _H5_ERRORS as exc:
+        raise _fail(shard, f"unreadable ({type(exc).__name__}: {exc}); the file is truncated or corrupt") from exc
+    if shard.stat().st_mtime_ns != st.st_mtime_ns:
+        raise _fail(shard, "changed while it was being indexed", "wait until it is completely written")
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            np.savez(fh, stamp=stamp, revision=np.array(revision), fingerprint=np.array(fingerprint), **index)
+        os.replace(tmp, cache)  # readers see the old index or the whole new one, never a partial file
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        _memory_index[key] = {**index, "fingerprint": fingerprint}
+        if str(shard.parent) not in _warned_dirs:
+            _warned_dirs.add(str(shard.parent))
+            log.warning("pimm: cannot cache PILArNet event indexes in %s (%s); keeping them in memory, so every "
+                        "process indexes its shards again", shard.parent, exc)
+    return {**index, "fingerprint": fingerprint}
+
+
+# ----------------------------------------------------------------------------- a selection of events
+
+
+def open_pilarnet(
+    path: str | Path,
+    split: str = DEFAULT_SPLIT,
+    revision: str = DEFAULT_REVISION,
+    label: str = DEFAULT_LABEL,
+    min_points: int = 0,
+    energy_threshold: float = 0.0,
+    num_classes: int | None = None,
+) -> tuple[dict[str, Any], list[Path], list[np.ndarray]]:
+    """Check PILArNet shards and select their events -> (info, shards, rows).
+
+    Events with fewer than `min_points` points or a total deposited energy below
+    `energy_threshold` (MeV) are left out; `rows[i]` holds the selected row numbers of
+    `shards[i]`. Labels of `label` must be -1 or in 0..classes-1 (`num_classes`, when given,
+    else the label's own class count). `info` is {path, size_bytes, num_events, content_hash,
+    layout, revision, label, split, shards, events_in_files, min_points, energy_threshold};
+    its content_hash covers every shard and the selection. Raises ConfigError or DataError."""
+    check_options(revision, label, min_points, energy_threshold)
+    root, shards = find_shards(path, split)
+    limit = len(LABEL_NAMES[label]) if num_classes is None else int(num_classes)
+    label_row = list(LABEL_COLUMNS).index(label)
+    rows, identity, size_bytes, events_in_files = [], [], 0, 0
+    for shard in shards:
+        index = shard_index(shard, revision)
+        lo, hi = index["label_min"][label_row], index["label_max"][label_row]
+        bad = np.flatnonzero((lo < IGNORE_LABEL) | (hi >= limit))
+        if len(bad):
+            e = int(bad[0])
+            value = int(hi[e]) if hi[e] >= limit else int(lo[e])
+            classes = LABEL_NAMES[label]
+            todo = (f"set data.num_classes (and model.num_classes) to {len(classes)} for the {label} classes "
+                    f"({', '.join(classes)})" if 0 <= value < len(classes) else
+                    f"PILArNet {label} labels are 0..{len(classes) - 1} ({', '.join(classes)}) or -1: check "
+                    "data.<split>.label and revision, or the file")
+            raise _fail(shard, f"event {e} has {label} label {value}, outside 0..{limit - 1} or -1 (ignore)"
+                        f"{f' (data.num_classes={num_classes})' if num_classes is not None else ''}; "
+                        f"{len(bad)} event(s) of this file are affected", todo)
+        keep = (index["num_points"] >= min_points) & (index["energy"] >= energy_threshold)
+        rows.append(np.flatnonzero(keep))
+        size = shard.stat().st_size
+        size_bytes += size
+        events_in_files += len(keep)
+        name = shard.name if shard == root else str(shard.relative_to(root))
+        identity.append([name, size, index["fingerprint"]])
+    num_events = int(sum(len(r) for r in rows))
+    if num_events == 0:
+        raise _fail(root, f"no event of {events_in_files} in {len(shards)} shard(s) has >= {min_points} points and "
+                    f">= {energy_threshold} MeV", "lower data.<split>.min_points or energy_threshold")
+    selection = {"layout": LAYOUT, "revision": revision, "shards": identity, "min_points": int(min_points),
+                 "energy_threshold": float(energy_threshold)}
+    info = {
+        "path": str(root),
+        "size_bytes": size_bytes,
+        "num_events": num_events,
+        "content_hash": hashlib.sha256(json.dumps(selection, sort_keys=True).encode()).hexdigest(),
+        "layout": LAYOUT,
+        "revision": revision,
+        "label": label,
+        "split": split,
+        "shards": len(shards),
+        "events_in_files": events_in_files,
+        "min_points": int(min_points),
+        "energy_threshold": float(energy_threshold),
+    }
+    return info, shards, rows
+
+
+def detect_revision(path: str | Path, split: str = DEFAULT_SPLIT) -> str:
+    """v2 when the first shard has `cluster_extra` (v1 files have none), else v1."""
+    _, shards = find_shards(path, split)
+    try:
+        with h5py.File(shards[0], **_OPEN_KW) as f:
+            return "v2" if "cluster_extra" in f else "v1"
+    except _H5_ERRORS as exc:
+        raise _fail(shards[0], f"not a readable HDF5 file: {exc}") from exc
+
+
+def is_pilarnet(path: str | Path) -> bool:
+    """Whether `path` looks like PILArNet data (a directory, or an HDF5 file with a `point` dataset)."""
+    path = Path(path)
+    if path.is_dir():
+        return True
+    try:
+        with h5py.File(path, **_OPEN_KW) as f:
+            return "point" in f and "format" not in f.attrs
+    except _H5_ERRORS:
+        return False
+
+
+def describe_pilarnet(path: str | Path, split: str = DEFAULT_SPLIT, revision: str | None = None) -> dict[str, Any]:
+    """Summary of PILArNet shards: identity, events, points and point counts per class of each label."""
+    revision = revision or detect_revision(path, split)
+    info, shards, _ = open_pilarnet(path, split, revision)
+    counts = np.zeros((len(LABEL_COLUMNS), len(PID_NAMES) + 2), np.int64)
+    num_points = 0
+    for shard in shards:
+        index = shard_index(shard, revision)
+        counts += index["label_counts"]
+        num_points += int(index["num_points"].sum())
+    out = {**info, "num_points": num_points}
+    for i, (label, classes) in enumerate(LABEL_NAMES.items()):
+        if LABEL_COLUMNS[label] < CLUSTER_COLUMNS[revision]:
+            out[f"{label}_counts"] = {"ignore": int(counts[i, 0]),
+                                      **{n: int(c) for n, c in zip(classes, counts[i, 1:])}}
+    return out
