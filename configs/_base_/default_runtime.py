@@ -26,6 +26,7 @@ log_every = 10  # optimizer steps between train log lines / metrics records
 eval_every_epochs = 1
 log_event_ids = False  # write the event ids of every step to logs/event_ids_rank*.jsonl
 validate_only = False  # True: evaluate the --train.weight weights once; no training, no checkpoint
+tensorboard = dict(enabled=False)  # True: rank 0 also writes the metrics records as scalars to RUN_DIR/tensorboard/
 
 data = dict(num_classes=5, names=["shower", "track", "michel", "delta", "low_energy"], train=None, val=None, test=None)
 debug = dict(  # fault injection, used by the tests

@@ -1,4 +1,4 @@
-"""Plain weight files (model_best.pth, iter_<step>.pth) and warm starts from them."""
+"""Plain weight files (model_best.pth, iter_<step>.pth, exported model.safetensors) and warm starts from them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch
 from pimm.checkpoint.layout import WEIGHTS, CheckpointError, fsync, read_manifest
 
 _SHOWN = 3  # mismatched keys named per kind in a message
+EXPORTED_WEIGHTS = "model.safetensors"  # a `pimm export` directory: these weights and config.json
+EXPORTED_CONFIG = "config.json"
 
 
 def save_weight_file(state_dict: dict, path: Path) -> Path:
@@ -26,14 +28,22 @@ def save_weight_file(state_dict: dict, path: Path) -> Path:
 
 
 def resolve_weight_path(path: str | Path) -> Path:
-    """A .pth file, or a checkpoint directory (which must be complete) -> the weights file."""
+    """A .pth or .safetensors file, an exported directory (`pimm export`), or a checkpoint directory
+    (which must be complete) -> the weights file."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(
-            f"No weight found at {path}: give a weights file (weights.pth, model_best.pth, iter_<step>.pth) "
-            "or a complete checkpoint directory (model/last)"
+            f"No weight found at {path}: give a weights file (weights.pth, model_best.pth, iter_<step>.pth), "
+            "a complete checkpoint directory (model/last) or a directory written by `pimm export`"
         )
     if path.is_dir():
+        if (path / EXPORTED_WEIGHTS).is_file():
+            return path / EXPORTED_WEIGHTS
+        if (path / EXPORTED_CONFIG).is_file():
+            raise CheckpointError(
+                f"export directory {path} has {EXPORTED_CONFIG} but no {EXPORTED_WEIGHTS} (the export did not "
+                "finish); export the run again with `pimm export --run-dir RUN NEW_DIR`"
+            )
         read_manifest(path)  # 'Incomplete checkpoint directory ...' when it is not complete
         return path / WEIGHTS
     return path
@@ -47,8 +57,24 @@ def _load_error_detail(exc: Exception) -> str:
     return f"{type(exc).__name__}: {first:.160}" if first else type(exc).__name__
 
 
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a .safetensors file (a format that holds tensors only: nothing to unpickle)."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path, device="cpu")
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot read weights {path}: not a safetensors file ({type(exc).__name__}: {str(exc):.160}); "
+            "export the run again with `pimm export`"
+        ) from exc
+
+
 def _read_state_dict(path: Path, mmap: bool = False) -> dict[str, torch.Tensor]:
-    """torch.load a file that must hold a state_dict (str -> tensor); CheckpointError otherwise."""
+    """torch.load a file that must hold a state_dict (str -> tensor), or read a .safetensors file;
+    CheckpointError otherwise."""
+    if path.suffix == ".safetensors":
+        return _read_safetensors(path)
     try:
         with warnings.catch_warnings():  # torch warns about pickle protocols of files it then refuses
             warnings.simplefilter("ignore")
@@ -121,5 +147,6 @@ def check_weights_fit(path: str | Path, model_cfg: dict) -> Path:
         parts.append(_listed(len(mismatched), "shape mismatch", "shape mismatches", shown, sep="; "))
     raise CheckpointError(
         f"weights {path} do not fit model {_model_name(model_cfg)}: {', '.join(parts)}; give weights saved from "
-        "this model config, or set model.* to the config of the run that saved them (its config.py)"
+        "this model config, or set model.* to the config of the run that saved them (its config.py, or the "
+        "model entry of an export's config.json)"
     )

@@ -51,7 +51,8 @@ def add_parser(sub) -> None:
                    "provenance. Changes that cannot continue the run (model shape, optimizer, schedule length) "
                    "are refused before anything starts")
     p.add_argument("--train.weight", dest="weight", metavar="PATH",
-                   help="start a new run from these weights only (weights.pth, model_best.pth or a checkpoint dir)")
+                   help="start a new run from these weights only (weights.pth, model_best.pth, a checkpoint dir or "
+                   "a `pimm export` dir)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the torchrun command, world size and per-rank batch/workers; start nothing")
     p.set_defaults(run=run)

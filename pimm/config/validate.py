@@ -9,8 +9,10 @@ against the world size in `pimm.distributed.batch`, data files in `pimm.data.eve
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,6 +144,8 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
     ("save_iter_snapshots", OPTIONAL, BOOL),
     ("resume_strict_state", OPTIONAL, BOOL),
     ("validate_only", OPTIONAL, BOOL),
+    ("tensorboard", OPTIONAL, optional(DICT, "off")),
+    ("tensorboard.enabled", OPTIONAL, BOOL),
     ("debug", OPTIONAL, optional(DICT, "no fault injection")),
     *((f"debug.{key}", OPTIONAL, optional(integer(1), "off"))
       for key in ("nonfinite_loss_at_step", "interrupt_at_step", "kill_during_checkpoint_at_step")),
@@ -209,4 +213,11 @@ def check_config(cfg: dict) -> None:
         raise ConfigError(
             f"data.names has {len(class_names)} entries {list(class_names)} but data.num_classes={num_classes}; "
             "give one name per class, or data.names=None"
+        )
+    # an environment fact, not a value: checked here so it fails before any process starts
+    if isinstance(cfg.get("tensorboard"), dict) and cfg["tensorboard"].get("enabled") \
+            and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "tensorboard.enabled=true but the tensorboard package is not installed in this environment "
+            f"({sys.executable}): pip install tensorboard==2.21.0, or set tensorboard.enabled=false"
         )

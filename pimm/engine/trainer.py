@@ -32,7 +32,7 @@ from pimm.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from pimm.distributed.batch import plan_batches
 from pimm.distributed.env import DistEnv, all_gather_objects, all_reduce_max, all_reduce_sum, barrier
 from pimm.distributed.strategy import build_strategy
-from pimm.engine.logs import MetricsWriter
+from pimm.engine.logs import MetricsWriter, TensorBoardScalars
 from pimm.engine.metrics import SegmentationMeter
 from pimm.engine.optim import build_optimizer, build_scheduler
 from pimm.engine.plot import plot_metrics
@@ -107,7 +107,11 @@ class Trainer:
         if amp.get("enabled") and not self.autocast:
             log.info("amp: autocast is CUDA-only; training in float32 on %s", env.device.type)
         self.clip_grad = cfg.get("clip_grad")
-        self.metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None)
+        tensorboard = env.is_main and bool((cfg.get("tensorboard") or {}).get("enabled"))
+        self.metrics = MetricsWriter(
+            run_dir / "metrics.jsonl" if env.is_main else None,
+            TensorBoardScalars(run_dir / "tensorboard", cfg["data"].get("names")) if tensorboard else None,
+        )
         self.event_log = (
             open(run_dir / "logs" / f"event_ids_rank{env.rank}.jsonl", "a", encoding="utf-8")
             if cfg.get("log_event_ids")
@@ -204,6 +208,7 @@ class Trainer:
             raise
         finally:
             self._stop_loader_workers()
+            self.metrics.close()  # the worker leaves with os._exit: end TensorBoard's writer thread first
         self.provenance.end("completed", final_step=self.state.step, final_val=final)
         return final
 
@@ -285,6 +290,8 @@ class Trainer:
         # rank 0 finishes interrupted writes and lists; every rank then tries the same list in order
         found = self.checkpoints.resume_candidates() if resume else []
         if not found:
+            if resume:
+                self._truncate_logs_after(0)  # an attempt that died before its first checkpoint is redone
             if weight:
                 from pimm.checkpoint.weights import load_weight_file
 
@@ -321,8 +328,8 @@ class Trainer:
     def _truncate_logs_after(self, step: int) -> None:
         """Drop records of steps after the checkpoint (they are redone), so logs read as one run."""
         if self.env.is_main:
-            paths = [self.run_dir / "metrics.jsonl", *sorted((self.run_dir / "logs").glob("event_ids_rank*.jsonl"))]
-            for path in paths:
+            self.metrics.continue_after(step)
+            for path in sorted((self.run_dir / "logs").glob("event_ids_rank*.jsonl")):
                 if path.exists():
                     keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
                     path.write_text("".join(ln + "\n" for ln in keep))

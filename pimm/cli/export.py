@@ -1,0 +1,173 @@
+"""`pimm export --run-dir RUN [--checkpoint last|best|step_N] OUT`: a run's weights as a portable directory.
+
+    OUT/model.safetensors  the full model state_dict (bare-model names)
+    OUT/config.json        {"model": <the run's cfg["model"]>, "class_names", "num_classes", "pimm_version",
+                            "checkpoint", "step", "config_hash"}; no local paths
+
+Loading needs neither pimm's trainer nor a process group:
+
+    config = json.load(open("OUT/config.json"))
+    model = pimm.models.build_model(config["model"])
+    model.load_state_dict(safetensors.torch.load_file("OUT/model.safetensors"))
+
+and `pimm launch --train.weight OUT` warm-starts a new run from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+from pimm.errors import PimmError
+
+_STEP = re.compile(r"step_(\d+)")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "export", help="write a run's weights as model.safetensors + config.json",
+        description="Export a checkpoint of a run as OUT/model.safetensors (the full state_dict) and OUT/config.json "
+        "(the model config, class names, pimm version, step and config hash; no local paths). Load it with "
+        "safetensors.torch.load_file and pimm.models.build_model(config['model']), or warm-start a run from it "
+        "with `pimm launch --train.weight OUT`.",
+    )
+    p.add_argument("--run-dir", dest="run_dir", type=Path, required=True, metavar="RUN",
+                   help="the run directory (with config.py and model/), e.g. exp/demo/semseg-20261202-114630")
+    p.add_argument("--checkpoint", default="last", metavar="last|best|step_N",
+                   help="last (default): the newest complete checkpoint; best: model/model_best.pth; step_N: the "
+                   "complete checkpoint (or iter_N.pth snapshot) of optimizer step N")
+    p.add_argument("out", type=Path, metavar="OUT", help="a new or empty directory to write into")
+    p.set_defaults(run=run)
+
+
+def _best_step(run_dir: Path) -> int | None:
+    """The step model_best.pth was saved at: the first validation with the highest mIoU (the trainer
+    replaces it only on a strictly higher one); None without metrics.jsonl."""
+    best, step = -math.inf, None
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut by a crash
+            continue
+        miou = rec.get("miou")
+        if rec.get("kind") == "val" and isinstance(miou, int | float) and miou > best:
+            best, step = miou, rec.get("step")
+    return step
+
+
+def _choose(run_dir: Path, which: str) -> tuple[Path, int | None]:
+    """(weights file, its step) of `--checkpoint which`; PimmError naming the available ones otherwise."""
+    from pimm.checkpoint.layout import LAST, WEIGHTS, candidates, verify
+
+    model_dir = run_dir / "model"
+    complete, incomplete = candidates(model_dir)
+    snapshots = {int(p.stem.removeprefix("iter_")): p for p in model_dir.glob("iter_*.pth")
+                 if p.stem.removeprefix("iter_").isdigit()}
+    best = model_dir / "model_best.pth"
+    available = [f"last (step {c.step})" if c.path.name == LAST else f"step_{c.step}" for c in complete]
+    available += [f"step_{n} ({p.name})" for n, p in sorted(snapshots.items())
+                  if n not in {c.step for c in complete}]
+    available += ["best (model_best.pth)"] if best.is_file() else []
+    listing = ", ".join(available) or "none"
+    if incomplete:
+        listing += f"; incomplete, not exportable: {', '.join(p.name for p in incomplete)}"
+    hint = f"available: {listing}"
+
+    if which == "best":
+        if not best.is_file():
+            raise PimmError(f"--checkpoint best: {best} does not exist (no validation improved the mIoU yet); {hint}")
+        return best, _best_step(run_dir)
+    step = _STEP.fullmatch(which)
+    if which == LAST:
+        chosen = [c for c in complete if c.path.name == LAST]
+        broken = [p for p in incomplete if p.name == LAST]
+    elif step:
+        n = int(step.group(1))
+        chosen = [c for c in complete if c.step == n]
+        broken = [p for p in incomplete if _STEP.fullmatch(p.name) and int(p.name.removeprefix("step_")) == n]
+        if not chosen and n in snapshots:
+            return snapshots[n], n
+    else:
+        raise PimmError(f"--checkpoint {which!r} is not last, best or step_N; {hint}")
+    if not chosen:
+        if broken:
+            raise PimmError(f"checkpoint {broken[0]} is incomplete (its write never finished: no .complete marker or "
+                            f"a file missing); export a complete one ({hint})")
+        raise PimmError(f"no checkpoint {which!r} in {model_dir}; {hint}")
+    try:
+        verify(chosen[0].path)  # sizes and sha256 of weights.pth against the manifest
+    except PimmError as exc:
+        raise PimmError(f"{exc}; export another checkpoint ({hint})") from exc
+    return chosen[0].path / WEIGHTS, chosen[0].step
+
+
+def _local_paths(value, where: str) -> list[str]:
+    """The config keys under `where` whose values are absolute or home-relative paths."""
+    if isinstance(value, dict):
+        return [k for key, v in value.items() for k in _local_paths(v, f"{where}.{key}")]
+    if isinstance(value, list | tuple):
+        return [k for i, v in enumerate(value) for k in _local_paths(v, f"{where}[{i}]")]
+    return [where] if isinstance(value, str) and (os.path.isabs(value) or value.startswith("~")) else []
+
+
+def export_config(cfg: dict, checkpoint: str, step: int | None) -> dict:
+    """The config.json of an export of a run with resolved config `cfg`: no data or other local paths."""
+    import pimm
+    from pimm.config import config_hash
+
+    found = _local_paths(cfg["model"], "model")
+    if found:
+        raise PimmError(f"the model config holds local paths ({', '.join(found)}), which an export must not carry; "
+                        "remove them from model.* (weights belong in --train.weight)")
+    return {
+        "model": cfg["model"],
+        "class_names": list(cfg["data"].get("names") or []),
+        "num_classes": int(cfg["data"]["num_classes"]),
+        "pimm_version": pimm.__version__,
+        "checkpoint": checkpoint,
+        "step": step,
+        "config_hash": config_hash(cfg),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from pimm.checkpoint.weights import EXPORTED_CONFIG, EXPORTED_WEIGHTS, load_weight_file
+    from pimm.config import load_config
+
+    run_dir, out = args.run_dir, args.out
+    if not (run_dir / "config.py").is_file():
+        raise PimmError(f"--run-dir {run_dir}: {'no config.py in it' if run_dir.is_dir() else 'does not exist'}; "
+                        "give the directory of a pimm run (it holds config.py and model/)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise PimmError(f"{out} exists and is {'not empty' if out.is_dir() else 'a file'}; refusing to overwrite it: "
+                        "give a new or empty directory")
+    weights, step = _choose(run_dir, args.checkpoint)
+    config = export_config(load_config(run_dir / "config.py"), args.checkpoint, step)
+    state = load_weight_file(weights)  # torch.load(weights_only=True): the same safe load as a warm start
+    seen: set[int] = set()
+    tensors = {}
+    for key, tensor in state.items():  # safetensors refuses shared storage: give tied tensors their own copy
+        tensor = tensor.contiguous()
+        tensors[key] = tensor.clone() if tensor.data_ptr() in seen else tensor
+        seen.add(tensor.data_ptr())
+
+    out.mkdir(parents=True, exist_ok=True)
+    # config.json last, each file under a temporary name first: a directory with both is a finished export
+    tmp = out / f".{EXPORTED_WEIGHTS}.tmp"
+    save_file(tensors, tmp, metadata={"format": "pt", "config_hash": config["config_hash"], "step": str(step)})
+    os.replace(tmp, out / EXPORTED_WEIGHTS)
+    tmp = out / f".{EXPORTED_CONFIG}.tmp"
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, out / EXPORTED_CONFIG)
+    size = (out / EXPORTED_WEIGHTS).stat().st_size
+    print(f"exported {weights} (step {step}) to {out}: {EXPORTED_WEIGHTS} ({len(tensors)} tensors, "
+          f"{size / 2**20:.3g} MiB) and {EXPORTED_CONFIG}; warm-start a run with `pimm launch --train.weight {out}`")
+    return 0
