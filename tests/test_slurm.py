@@ -282,3 +282,18 @@ def test_a_two_node_run_continues_on_one_machine_only_when_asked(uninterrupted):
                    cwd=run_dir.parents[2])
     assert res.returncode == 0, res.stderr
     assert "world size: 2 (1 node(s) x 2 process(es)" in res.stdout
+
+
+def test_validate_scaling_runs_as_a_slurm_job_and_leaves_its_report(slurm, tmp_path, tiny_data):
+    out = tmp_path / "validate"
+    res = run_pimm(["validate-scaling", "--site", "local-slurm", "--train.config", TINY, "--ranks", "1,2",
+                    "--out", str(out), "--", *data_args(tiny_data)], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    job = int(re.search(r"queued Slurm job (\d+)", res.stdout).group(1))
+    with cancelled_at_exit([job]):
+        (state,) = wait_for_jobs([job])
+    log = (out / f"slurm-{job}.out").read_text()
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", log
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"] == "PASS" and all(c["status"] == "PASS" for c in report["checks"])
+    assert "--signal" not in (out / "validate-scaling.sbatch").read_text()  # USR1 would end the checklist's driver

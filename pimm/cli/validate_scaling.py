@@ -39,6 +39,12 @@ def add_parser(sub) -> None:
                    help="folder for the report and the runs; must not hold a report yet "
                    "(default exp/validate_scaling/<config name>-YYYYmmdd-HHMMSS)")
     p.add_argument("--timeout", default="900", metavar="SECONDS", help="seconds before one run is killed (default 900)")
+    p.add_argument("--site", metavar="NAME_OR_YAML",
+                   help="run the checklist as one Slurm job on one node of this site (as for pimm submit); the "
+                   "report lands in --out, which must be on a filesystem the node shares")
+    for name in ("time", "account", "partition", "qos"):
+        p.add_argument(f"--resources.{name}", dest=f"site_{name}", metavar=name.upper(),
+                       help=f"with --site: override the site's {name}")
     p.set_defaults(run=run)
 
 
@@ -94,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or Path("exp/validate_scaling") / (
         f"{Path(args.config.removesuffix('.py')).name}-{time.strftime('%Y%m%d-%H%M%S')}")
     spec = prepare(args.config, ranks, steps, args.strategy, out.absolute(), args.overrides, timeout)
+    if args.site:
+        return _submit(args, spec, ranks, steps, timeout)
     report = validate_scaling(spec)
     print(f"\npimm validate-scaling: {report['verdict']} ({out / 'report.md'})")
     for check in report["checks"]:
@@ -102,3 +110,39 @@ def run(args: argparse.Namespace) -> int:
     for check in failed:
         print(f"pimm: check {check['id']} failed: {check['reason']}", file=sys.stderr)
     return EXIT_FAILED if failed else 0
+
+
+def _submit(args: argparse.Namespace, spec, ranks: list[int], steps: int, timeout: float) -> int:
+    """The checklist as one batch job on one node: the same command, run there, writing to --out."""
+    import shlex
+    import shutil
+
+    from pimm.launch.sbatch import queue
+    from pimm.launch.sites import load_site
+
+    site = load_site(args.site, {"nnodes": 1, "nproc_per_node": max(ranks),
+                                 **{k: getattr(args, f"site_{k}") for k in ("time", "account", "partition", "qos")}})
+    if site.scheduler != "slurm":
+        raise LaunchError(f"site {site.name!r} does not use Slurm; run validate-scaling without --site")
+    if shutil.which("sbatch") is None:
+        raise LaunchError("sbatch is not on PATH: run this on a Slurm login node, or without --site")
+    out = spec.out
+    command = site.wrap([site.python or sys.executable, "-m", "pimm", "validate-scaling", "--train.config",
+                         args.config, "--ranks", ",".join(map(str, ranks)), "--steps", str(steps), "--strategy",
+                         args.strategy, "--out", str(out), "--timeout", str(int(timeout)), "--", *args.overrides])
+    # no time-limit signal: the checklist signals its own runs, and USR1 would end its driver
+    directives = [d for d in site.sbatch_directives(job_name=f"validate-{out.name}", output=str(out / "slurm-%j.out"))
+                  if not d.startswith("#SBATCH --signal=")]
+    script = "\n".join(["#!/bin/bash", f"# pimm validate-scaling on site {site.name}: report in {out}", *directives,
+                        "", *site.preamble(), f"cd {shlex.quote(str(Path.cwd()))}", "export PYTHONUNBUFFERED=1",
+                        f"exec {shlex.join(command)}", ""])
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "validate-scaling.sbatch"
+    path.write_text(script)
+    job = queue(path)
+    print(f"pimm: queued Slurm job {job}: validate-scaling of {args.config} at ranks {','.join(map(str, ranks))} "
+          f"on one node of {site.name}")
+    print(f"  report     {out / 'report.md'} (and report.json, loss_curves.png)")
+    print(f"  job log    {out / f'slurm-{job}.out'}")
+    print("  the job's exit status is the command's: 0 every check passed, 1 one failed")
+    return 0

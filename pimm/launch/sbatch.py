@@ -94,6 +94,11 @@ def submit_chain(script: Path, jobs: int, on_queued) -> list[int]:
     return ids
 
 
+def queue(script: Path) -> int:
+    """sbatch one script now; its job id."""
+    return _sbatch(["sbatch", "--parsable", str(script)])
+
+
 def _sbatch(argv: list[str]) -> int:
     out = _run(argv)
     match = re.match(r"\s*(\d+)", out)  # --parsable: "<id>" or "<id>;<cluster>"
