@@ -117,7 +117,7 @@ def _submit(args: argparse.Namespace, spec, ranks: list[int], steps: int, timeou
     import shlex
     import shutil
 
-    from pimm.launch.sbatch import queue
+    from pimm.launch.sbatch import job_prologue, queue
     from pimm.launch.sites import load_site
 
     site = load_site(args.site, {"nnodes": 1, "nproc_per_node": max(ranks),
@@ -131,10 +131,9 @@ def _submit(args: argparse.Namespace, spec, ranks: list[int], steps: int, timeou
                          args.config, "--ranks", ",".join(map(str, ranks)), "--steps", str(steps), "--strategy",
                          args.strategy, "--out", str(out), "--timeout", str(int(timeout)), "--", *args.overrides])
     # no time-limit signal: the checklist signals its own runs, and USR1 would end its driver
-    directives = [d for d in site.sbatch_directives(job_name=f"validate-{out.name}", output=str(out / "slurm-%j.out"))
-                  if not d.startswith("#SBATCH --signal=")]
-    script = "\n".join(["#!/bin/bash", f"# pimm validate-scaling on site {site.name}: report in {out}", *directives,
-                        "", *site.preamble(), f"cd {shlex.quote(str(Path.cwd()))}", "export PYTHONUNBUFFERED=1",
+    prologue = job_prologue(site, f"validate-{out.name}", str(out / "slurm-%j.out"), Path.cwd(),
+                            time_limit_signal=False)
+    script = "\n".join(["#!/bin/bash", f"# pimm validate-scaling on site {site.name}: report in {out}", *prologue,
                         f"exec {shlex.join(command)}", ""])
     out.mkdir(parents=True, exist_ok=True)
     path = out / "validate-scaling.sbatch"

@@ -41,13 +41,7 @@ def render_job_script(plan, site, submission: str, workdir: Path) -> str:
         f"# submission {submission}; rendered by pimm {pimm.__version__}.",
         f"# One pimm per node; its torchrun starts {plan.nproc_per_node} process(es) per node: world size "
         f"{plan.world_size}, global batch {plan.batches.global_batch_size}.",
-        *site.sbatch_directives(job_name=run_dir.name, output=str(log_pattern(run_dir))),
-        "",
-        *site.preamble(),
-        "set -u",
-        f"cd {shlex.quote(str(workdir.absolute()))}",
-        "export PYTHONUNBUFFERED=1",
-        "",
+        *job_prologue(site, run_dir.name, str(log_pattern(run_dir)), workdir),
         "# resume, or end the chain when the run finished or the previous job made no progress",
         pimm_job("begin", "--run-dir", str(run_dir), "--submission", submission),
         "status=$?",
@@ -63,6 +57,16 @@ def render_job_script(plan, site, submission: str, workdir: Path) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def job_prologue(site, job_name: str, output: str, workdir: Path, time_limit_signal: bool = True) -> list[str]:
+    """What every pimm batch script starts with: the site's #SBATCH lines (without the time-limit
+    signal if asked), its setup lines and exports, and the submitting directory."""
+    directives = site.sbatch_directives(job_name=job_name, output=output)
+    if not time_limit_signal:
+        directives = [d for d in directives if not d.startswith("#SBATCH --signal=")]
+    return [*directives, "", *site.preamble(), "set -u", f"cd {shlex.quote(str(workdir.absolute()))}",
+            "export PYTHONUNBUFFERED=1", ""]
 
 
 def chain_commands(script: Path, jobs: int) -> list[str]:
