@@ -139,9 +139,9 @@ def worker(spec_path: Path) -> None:
     from pimm.distributed.env import destroy_distributed, init_distributed
     from pimm.distributed.strategy import build_strategy
     from pimm.engine.optim import build_optimizer
-    from pimm.engine.trainer import event_mean_loss
     from pimm.models import build_model
     from pimm.signals import die_with_parent
+    from pimm.tasks import build_task
 
     die_with_parent()  # torchrun starts each rank in a session of its own: no rank outlives it
     spec = json.loads(spec_path.read_text())
@@ -153,6 +153,7 @@ def worker(spec_path: Path) -> None:
 
     torch.manual_seed(int(cfg["seed"]))  # as the trainer: identical initial weights on every rank
     model = build_model(cfg["model"])
+    task = build_task(cfg)
     wrap_classes = list((cfg.get("parallel") or {}).get("wrap_classes") or ["Block"])
     unwrapped = unwrapped_names(model, wrap_classes)
     strategy = build_strategy(cfg, env)
@@ -171,8 +172,7 @@ def worker(spec_path: Path) -> None:
     def step() -> float:
         start = time.perf_counter()
         with torch.autocast(env.device.type, dtype=autocast_dtype, enabled=autocast):
-            logits = module(batch["coord"], batch["feat"], batch["offset"])
-        loss, _ = event_mean_loss(logits, batch["segment"], batch["offset"])
+            loss = task.forward_loss(module, batch).loss  # as the trainer
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         strategy.clip_grad_norm(module, clip)

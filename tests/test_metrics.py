@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pimm.engine.metrics import SegmentationMeter, metrics_from_confusion
-from pimm.engine.trainer import event_mean_loss
+from pimm.tasks import event_mean_loss
 
 
 def test_iou_from_known_confusion():
@@ -33,7 +33,7 @@ def _shard_worker(rank, world, port, data, out):
     meter = SegmentationMeter(5, torch.device("cpu"))
     for i, (logits, target, losses) in enumerate(data):
         if i % world == rank:
-            meter.update(logits, target, losses)
+            meter.add(logits, target, losses)
     result = meter.compute()
     if rank == 0:
         out.put(result)
@@ -45,7 +45,7 @@ def test_two_ranks_equal_one_rank(free_port):
     data = [(torch.randn(n, 5), torch.randint(0, 5, (n,)), torch.rand(3)) for n in (11, 5, 30, 2, 17)]
     single = SegmentationMeter(5, torch.device("cpu"))
     for logits, target, losses in data:
-        single.update(logits, target, losses)
+        single.add(logits, target, losses)
     expected = single.compute()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -25,8 +25,8 @@ from pimm.data.event_file import validate_data
 from pimm.data.pilarnet_file import index_path, open_pilarnet
 from pimm.data.synth import LOW_ENERGY, generate_event, pilarnet_event, write_pilarnet, write_pilarnet_file
 from pimm.engine.metrics import SegmentationMeter
-from pimm.engine.trainer import event_mean_loss
 from pimm.errors import ConfigError, DataError
+from pimm.tasks import event_mean_loss
 
 
 def _stored(seed: int, index: int) -> tuple[dict, np.ndarray]:
@@ -170,7 +170,7 @@ def test_ignore_labels_stay_minus_one_and_the_trainer_skips_them(tmp_path: Path)
     expected = torch.nn.functional.cross_entropy(logits[:9][valid[:9]], batch["segment"][:9][valid[:9]])
     assert torch.isfinite(loss) and torch.allclose(per_event[0], expected)
     meter = SegmentationMeter(5, torch.device("cpu"))
-    meter.update(logits, batch["segment"], per_event)
+    meter.add(logits, batch["segment"], per_event)
     assert int(meter.confusion.sum()) == int(valid.sum())
 
 

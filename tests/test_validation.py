@@ -188,7 +188,8 @@ def test_registries_hold_exactly_the_names_the_launcher_accepts():
     from pimm.data.dataset import DATASETS
     from pimm.engine.optim import OPTIMIZERS, SCHEDULERS
     from pimm.models import MODELS
+    from pimm.tasks import TASKS
 
     for registry, known in ((OPTIMIZERS, names.OPTIMIZERS), (SCHEDULERS, names.SCHEDULERS),
-                            (MODELS, names.MODELS), (DATASETS, names.DATASETS)):
+                            (MODELS, names.MODELS), (DATASETS, names.DATASETS), (TASKS, names.TASKS)):
         assert registry.names() == sorted(known), registry.kind

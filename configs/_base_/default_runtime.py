@@ -28,6 +28,9 @@ log_event_ids = False  # write the event ids of every step to logs/event_ids_ran
 validate_only = False  # True: evaluate the --train.weight weights once; no training, no checkpoint
 tensorboard = dict(enabled=False)  # True: rank 0 also writes the metrics records as scalars to RUN_DIR/tensorboard/
 
+# what is learned: per-point classes. ignore_index: the label that counts in neither loss nor metrics
+# (PILArNet's -1); class_weights: one loss weight per class (None: equal); best_metric picks model_best.pth
+task = dict(type="SemanticSegmentation", class_weights=None, ignore_index=-1, best_metric="miou")
 data = dict(num_classes=5, names=["shower", "track", "michel", "delta", "low_energy"], train=None, val=None, test=None)
 debug = dict(  # fault injection, used by the tests
     nonfinite_loss_at_step=None, interrupt_at_step=None, kill_during_checkpoint_at_step=None,

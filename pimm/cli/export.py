@@ -16,6 +16,7 @@ and `pimm launch --train.weight OUT` warm-starts a new run from it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -45,8 +46,11 @@ def add_parser(sub) -> None:
 
 
 def _best_step(run_dir: Path) -> int | None:
-    """The step model_best.pth was saved at: the first validation with the highest mIoU (the trainer
-    replaces it only on a strictly higher one); None without metrics.jsonl."""
+    """The step model_best.pth was saved at: model/model_best.json says so; runs from before that
+    file: the first validation with the highest mIoU (the trainer replaces it only on a strictly
+    better one); None without either."""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        return int(json.loads((run_dir / "model" / "model_best.json").read_text())["step"])
     best, step = -math.inf, None
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []

@@ -157,13 +157,14 @@ def data_files(cfg: dict) -> dict[str, str]:
 
 def check_data(cfg: dict, global_batch: int) -> dict[str, dict]:
     """Every data set is valid for its type (a pimm event file, or PILArNet-M shards) with labels in
-    0..data.num_classes-1 (or -1, ignored, in PILArNet), and the train set fills one global batch;
+    0..data.num_classes-1 or task.ignore_index, and the train set fills one global batch;
     returns split -> the data's identity (pimm.data.event_file.validate_data)."""
     from pimm.data.event_file import validate_data
 
     checked = {}
     for split in data_files(cfg):
-        info = checked[split] = validate_data(cfg["data"][split], num_classes=cfg["data"]["num_classes"])
+        info = checked[split] = validate_data(cfg["data"][split], num_classes=cfg["data"]["num_classes"],
+                                              ignore_index=(cfg.get("task") or {}).get("ignore_index", -1))
         if split == "train":
             max_len = cfg["data"]["train"].get("max_len")
             events = min(info["num_events"], max_len) if max_len else info["num_events"]

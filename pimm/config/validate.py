@@ -104,6 +104,8 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
     ("model", REQUIRED, component("model", names.MODELS)),
     ("model.type", REQUIRED, one_of(names.MODELS)),
     ("model.num_classes", OPTIONAL, integer(2)),
+    ("task", OPTIONAL, optional(component("task", names.TASKS), "SemanticSegmentation with its defaults")),
+    ("task.type", REQUIRED, one_of(names.TASKS)),
     ("optimizer", REQUIRED, component("optimizer", names.OPTIMIZERS)),
     ("optimizer.type", REQUIRED, one_of(names.OPTIMIZERS)),
     # >= 0, not > 0: lr=0 keeps the initial weights on purpose (tests compare 1- and 2-rank evaluation)
@@ -208,6 +210,14 @@ def check_config(cfg: dict) -> None:
             if given:
                 raise ConfigError(f"data.{split}.{given[0]} is an option of PILArNetDataset, not of "
                                   f"{dataset.get('type')}; remove it or set data.{split}.type='PILArNetDataset'")
+    task = cfg.get("task")
+    if isinstance(task, dict):
+        unknown = sorted(set(task) - {"type", "class_weights", "ignore_index", "best_metric"})
+        if unknown:
+            raise ConfigError(f"task.{unknown[0]} is not an option of {task['type']}; its options are "
+                              "class_weights, ignore_index, best_metric")
+        check_segmentation_options(num_classes, task.get("class_weights"), task.get("ignore_index", -1),
+                                   task.get("best_metric", "miou"))
     class_names = data.get("names")
     if class_names is not None and len(class_names) != num_classes:
         raise ConfigError(
@@ -221,3 +231,28 @@ def check_config(cfg: dict) -> None:
             "tensorboard.enabled=true but the tensorboard package is not installed in this environment "
             f"({sys.executable}): pip install tensorboard==2.21.0, or set tensorboard.enabled=false"
         )
+
+
+# best_metric choices of SemanticSegmentation -> higher is better
+SEGMENTATION_METRICS = {"miou": True, "accuracy": True, "loss": False}
+
+
+def check_segmentation_options(num_classes, class_weights, ignore_index, best_metric) -> None:
+    """ConfigError for task options SemanticSegmentation cannot use (also run by the launcher)."""
+    if class_weights is not None:
+        weights = list(class_weights) if isinstance(class_weights, (list, tuple)) else None
+        numbers = weights is not None and all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < float("inf") for w in weights)
+        if not numbers or len(weights) != num_classes or not any(weights):
+            raise ConfigError(
+                f"task.class_weights={class_weights!r:.80} is not allowed: give one finite weight >= 0 per class "
+                f"({num_classes} for data.num_classes={num_classes}), not all 0, e.g. "
+                f"[{', '.join(['1.0'] * num_classes)}]; or None for equal weights")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or 0 <= ignore_index < num_classes:
+        raise ConfigError(
+            f"task.ignore_index={ignore_index!r} is not allowed: it must be an integer label outside the classes "
+            f"0..{num_classes - 1} (PILArNet marks unlabelled points -1, the default); to leave a class out of "
+            "the loss give it task.class_weights 0")
+    if best_metric not in SEGMENTATION_METRICS:
+        raise ConfigError(f"task.best_metric={best_metric!r} is not allowed: it must be one of "
+                          f"{', '.join(SEGMENTATION_METRICS)} (the validation metric that picks model_best.pth)")

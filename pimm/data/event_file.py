@@ -119,30 +119,34 @@ def _read_index(path: str | Path) -> tuple[dict[str, Any], np.ndarray, list[str]
     return info, offsets, class_names
 
 
-def validate_event_file(path: str | Path, num_classes: int | None = None) -> dict[str, Any]:
+def validate_event_file(path: str | Path, num_classes: int | None = None, ignore_index: int = -1) -> dict[str, Any]:
     """Check that `path` is a readable pimm event file; return {path, size_bytes, num_events,
     content_hash, format_version}. With `num_classes`, also check that every label is in
-    0..num_classes-1. Raises DataError saying what is wrong. Leaves no file open."""
+    0..num_classes-1 or is `ignore_index`. Raises DataError saying what is wrong. Leaves no file open."""
     info, offsets, _ = _read_index(path)
     if num_classes is not None:
-        _check_labels(Path(info["path"]), offsets, num_classes)
+        _check_labels(Path(info["path"]), offsets, num_classes, ignore_index)
     return info
 
 
-def validate_data(dataset: dict, num_classes: int | None = None) -> dict[str, Any]:
+def validate_data(dataset: dict, num_classes: int | None = None, ignore_index: int = -1) -> dict[str, Any]:
     """Check the data a dataset config (`dict(type=..., path=..., ...)`) names, by its layout;
     return its identity ({path, size_bytes, num_events, content_hash, ...}; num_events after any
-    event selection). Raises DataError or ConfigError saying what is wrong. Leaves no file open."""
+    event selection). Labels must be classes or `ignore_index` (task.ignore_index). Raises
+    DataError or ConfigError saying what is wrong. Leaves no file open."""
     if dataset.get("type") == "PILArNetDataset":
         selection = ("split", "revision", "label", "min_points", "energy_threshold")
-        info, _, _ = open_pilarnet(dataset["path"], num_classes=num_classes,
+        if dataset.get("pid_unlabelled_as_none") and dataset.get("label") == "pid":
+            ignore_index = -1  # the reader turns the file's -1 into class "none": nothing is left unlabelled
+        info, _, _ = open_pilarnet(dataset["path"], num_classes=num_classes, ignore_index=ignore_index,
                                    **{k: dataset[k] for k in selection if k in dataset})
         return info
-    return validate_event_file(dataset["path"], num_classes=num_classes)
+    return validate_event_file(dataset["path"], num_classes=num_classes, ignore_index=ignore_index)
 
 
-def _check_labels(path: Path, offsets: np.ndarray, num_classes: int) -> None:
-    """DataError naming the first event with a label >= num_classes (labels are unsigned).
+def _check_labels(path: Path, offsets: np.ndarray, num_classes: int, ignore_index: int = -1) -> None:
+    """DataError naming the first event with a label >= num_classes that is not `ignore_index`
+    (labels are unsigned).
 
     Reads `segment` in blocks of whole chunks with numpy: files may hold tens of millions of points."""
     try:
@@ -150,9 +154,10 @@ def _check_labels(path: Path, offsets: np.ndarray, num_classes: int) -> None:
             segment = f["segment"]
             for lo in range(0, segment.shape[0], _LABEL_SCAN_ROWS):
                 block = segment[lo : lo + _LABEL_SCAN_ROWS]
-                if block.size == 0 or block.max() < num_classes:
+                outside = (block >= num_classes) & (block != ignore_index) if block.size else block
+                if not outside.any():
                     continue
-                first = int(np.flatnonzero(block >= num_classes)[0])
+                first = int(np.flatnonzero(outside)[0])
                 row = lo + first
                 event = int(np.searchsorted(offsets, row, side="right")) - 1
                 raise _fail(

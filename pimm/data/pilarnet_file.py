@@ -253,14 +253,16 @@ def open_pilarnet(
     min_points: int = 0,
     energy_threshold: float = 0.0,
     num_classes: int | None = None,
+    ignore_index: int = IGNORE_LABEL,
 ) -> tuple[dict[str, Any], list[Path], list[np.ndarray]]:
     """Check PILArNet shards and select their events -> (info, shards, rows).
 
     Events with fewer than `min_points` points or a total deposited energy below
     `energy_threshold` (MeV) are left out; `rows[i]` holds the selected row numbers of
-    `shards[i]`. Labels of `label` must be -1 or in 0..classes-1 (`num_classes`, when given,
-    else the label's own class count). `info` is {path, size_bytes, num_events, content_hash,
-    layout, revision, label, split, shards, events_in_files, min_points, energy_threshold};
+    `shards[i]`. Labels of `label` must be in 0..classes-1 (`num_classes`, when given, else the
+    label's own class count) or -1, the format's "no label", which `ignore_index` must then be.
+    `info` is {path, size_bytes, num_events, content_hash, layout, revision, label, split, shards,
+    events_in_files, min_points, energy_threshold};
     its content_hash covers every shard and the selection. Raises ConfigError or DataError."""
     check_options(revision, label, min_points, energy_threshold)
     root, shards = find_shards(path, split)
@@ -270,6 +272,11 @@ def open_pilarnet(
     for shard in shards:
         index = shard_index(shard, revision)
         lo, hi = index["label_min"][label_row], index["label_max"][label_row]
+        unlabelled = np.flatnonzero(lo == IGNORE_LABEL)
+        if ignore_index != IGNORE_LABEL and len(unlabelled):
+            raise _fail(shard, f"event {int(unlabelled[0])} has points with {label} label -1 (no label), which "
+                        f"task.ignore_index={ignore_index} does not ignore; {len(unlabelled)} event(s) of this file "
+                        "have such points", "set task.ignore_index=-1 (the default)")
         bad = np.flatnonzero((lo < IGNORE_LABEL) | (hi >= limit))
         if len(bad):
             e = int(bad[0])

@@ -8,20 +8,32 @@ from pimm.distributed.env import all_reduce_sum
 
 
 class SegmentationMeter:
-    """Accumulates a confusion matrix and loss sums on one rank; `compute` sums them over ranks."""
+    """Accumulates a confusion matrix and loss sums on one rank; `compute` sums them over ranks.
+    Points labelled `ignore_index` are left out; `update` never syncs the device with the host."""
 
-    def __init__(self, num_classes: int, device: torch.device) -> None:
+    def __init__(self, num_classes: int, device: torch.device, ignore_index: int = -1) -> None:
         self.num_classes = num_classes
-        self.confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
+        self.ignore_index = ignore_index
+        # flattened (target, prediction) counts plus one last slot that collects the ignored points
+        self._counts = torch.zeros(num_classes**2 + 1, dtype=torch.int64, device=device)
         # float64 sums: exact enough that 1 rank and N ranks agree to the printed digits
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.events = torch.zeros((), dtype=torch.int64, device=device)
 
-    def update(self, logits: torch.Tensor, target: torch.Tensor, event_losses: torch.Tensor) -> None:
+    @property
+    def confusion(self) -> torch.Tensor:
+        """(C, C) counts of this rank: rows are targets, columns predictions."""
+        return self._counts[:-1].view(self.num_classes, self.num_classes)
+
+    def update(self, output, batch: dict) -> None:
+        """Add one forward (a pimm.tasks TaskOutput with the logits as its prediction) of `batch`."""
+        self.add(output.prediction, batch["segment"], output.event_losses)
+
+    def add(self, logits: torch.Tensor, target: torch.Tensor, event_losses: torch.Tensor) -> None:
         pred = logits.argmax(dim=1)
-        valid = target >= 0  # -1 (PILArNet's "ignore") is left out of the confusion matrix
-        flat = target[valid] * self.num_classes + pred[valid]
-        self.confusion += torch.bincount(flat, minlength=self.num_classes**2).view(self.num_classes, -1)
+        # a boolean-mask selection would sync (its size is data-dependent): route ignored points to the spare slot
+        cell = torch.where(target == self.ignore_index, self.num_classes**2, target * self.num_classes + pred)
+        self._counts.index_add_(0, cell, torch.ones_like(cell))
         self.loss_sum += event_losses.double().sum()
         self.events += event_losses.numel()
 

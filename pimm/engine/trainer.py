@@ -1,9 +1,9 @@
 """The training loop: one readable `Trainer` over a plain model and a strategy.
 
 Global batch semantics: each optimizer step consumes one global batch of `batch_size` events,
-split evenly over ranks, and on each rank into `grad_accum_steps` micro-batches. The loss is the
-mean over events of each event's mean point loss, so the gradient (micro-steps summed, averaged
-over ranks by the strategy) is the same at any world size and accumulation.
+split evenly over ranks, and on each rank into `grad_accum_steps` micro-batches. The task
+(pimm.tasks) makes each micro-batch's loss a mean over its events, so the gradient (micro-steps
+summed, averaged over ranks by the strategy) is the same at any world size and accumulation.
 """
 
 from __future__ import annotations
@@ -20,26 +20,25 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pimm.checkpoint.layout import CheckpointError
 from pimm.checkpoint.manager import CheckpointManager
 from pimm.checkpoint.state import capture, checkpoint_components, cursor_facts, restore
 from pimm.config import config_hash
-from pimm.data.collate import collate_events, offset_to_batch_index, split_events
+from pimm.data.collate import collate_events, split_events
 from pimm.data.dataset import build_dataset
 from pimm.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from pimm.distributed.batch import plan_batches
 from pimm.distributed.env import DistEnv, all_gather_objects, all_reduce_max, all_reduce_sum, barrier
 from pimm.distributed.strategy import build_strategy
 from pimm.engine.logs import MetricsWriter, TensorBoardScalars
-from pimm.engine.metrics import SegmentationMeter
 from pimm.engine.optim import build_optimizer, build_scheduler
 from pimm.engine.plot import plot_metrics
 from pimm.errors import ConfigError, TrainingError
 from pimm.models import build_model
 from pimm.provenance import Provenance
 from pimm.signals import StopRequest, ignore_further_stop_signals, ignore_stop_signals, loader_workers_forked
+from pimm.tasks import build_task
 
 log = logging.getLogger("pimm")
 
@@ -51,19 +50,12 @@ class TrainState:
     epoch: int = 0  # the epoch in progress (0-based)
     samples_in_epoch: int = 0  # global events consumed so far in that epoch (the data cursor)
     step: int = 0  # optimizer steps taken since the start of the run
-    best_metric: float = -math.inf
+    best_metric: float = -math.inf  # the best value of the task's best_metric so far (-inf: none yet)
 
 
-def event_mean_loss(logits: torch.Tensor, target: torch.Tensor, offset: torch.Tensor):
-    """Per-event mean cross-entropy and its mean over events -> (loss, event_losses). Points
-    labelled -1 (PILArNet's "ignore") count in neither the sum nor the mean (an all-ignored event
-    contributes 0); a configurable ignore index belongs to the task interface."""
-    point_loss = F.cross_entropy(logits.float(), target, reduction="none", ignore_index=-1)
-    event_index = offset_to_batch_index(offset, len(point_loss))
-    counts = point_loss.new_zeros(len(offset)).index_add_(0, event_index, (target != -1).to(point_loss.dtype))
-    event_sums = point_loss.new_zeros(len(offset)).index_add_(0, event_index, point_loss)
-    event_losses = event_sums / counts.clamp(min=1)
-    return event_losses.mean(), event_losses
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The collated batch's tensors on `device` (asynchronous from pinned loader memory)."""
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
 class Interrupted(Exception):
@@ -95,6 +87,7 @@ class Trainer:
         # identical initial weights on every rank and at every world size
         torch.manual_seed(self.seed)
         self.model = build_model(cfg["model"])
+        self.task = build_task(cfg)
         self.strategy = build_strategy(cfg, env)
         self.module = self.strategy.wrap(self.model, env)
         self.optimizer = build_optimizer(cfg["optimizer"], self.module.parameters())
@@ -429,11 +422,8 @@ class Trainer:
         for i, micro in enumerate(split_events(batch, accum)):
             # gradients are reduced across ranks once per step: in the last micro-step's backward
             with self.strategy.no_gradient_sync(self.module) if i < accum - 1 else contextlib.nullcontext():
-                offset = micro["offset"].to(device, non_blocking=True)
                 with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast):
-                    logits = self.module(micro["coord"].to(device, non_blocking=True),
-                                         micro["feat"].to(device, non_blocking=True), offset)
-                loss, _ = event_mean_loss(logits, micro["segment"].to(device, non_blocking=True), offset)
+                    loss = self.task.forward_loss(self.module, to_device(micro, device)).loss
                 loss = loss / accum  # equal micro-batches: the sum over micro-steps is the mean over events
                 if self._nonfinite_at == self.state.step + 1 and self.env.is_main:
                     loss = loss * float("nan")  # fault injection for the non-finite guard (tests)
@@ -509,27 +499,24 @@ class Trainer:
             len(self.val_set), self.plan.val_events_per_rank, self.env.world_size, self.env.rank
         )
         loader = self._loader(self.val_set, sampler)
-        meter = SegmentationMeter(int(self.cfg["data"]["num_classes"]), self.env.device)
         device = self.env.device
+        meter = self.task.make_meter(device)
 
-        def forward(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            offset = batch["offset"].to(device)
+        def forward(batch: dict):
             with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast):
-                logits = model(batch["coord"].to(device), batch["feat"].to(device), offset)
-            return logits, batch["segment"].to(device), offset
+                return self.task.forward_loss(model, batch)
 
         with loader_workers_forked():
             batches = iter(loader)
         for batch in batches:
-            logits, target, offset = forward(batch)
-            _, event_losses = event_mean_loss(logits, target, offset)
-            meter.update(logits, target, event_losses)
+            batch = to_device(batch, device)
+            meter.update(forward(batch), batch)
         if self.strategy.lockstep_eval:
             # the sharded forward is a collective: a rank with fewer batches runs masked ones (not
             # counted) until every rank has run as many forwards as the busiest one
             most = all_reduce_max(torch.tensor([len(sampler)], device=device)).item()
             for _ in range(int(most) - len(sampler)):
-                forward(collate_events([self.val_set[0]]))
+                forward(to_device(collate_events([self.val_set[0]]), device))
         result = meter.compute()
         self.module.train()
         names = self.cfg["data"].get("names") or [str(i) for i in range(len(result["iou"]))]
@@ -557,15 +544,21 @@ class Trainer:
             self.checkpoints.wait()  # also a write of this step that is still in flight
 
     def _save_best(self, metrics: dict) -> None:
-        miou = metrics.get("miou")
-        if miou is None or math.isnan(miou) or miou <= self.state.best_metric:
+        """model_best.pth (and model_best.json: which step, metric and value) when the task's
+        best_metric is strictly better than at every earlier validation."""
+        value = metrics.get(self.task.best_metric)
+        if not self.task.is_better(value, self.state.best_metric):
             return
-        self.state.best_metric = miou
+        self.state.best_metric = value
         state = self.strategy.full_model_state(self.module)
         if self.env.is_main:
             from pimm.checkpoint.weights import save_weight_file
 
             save_weight_file(state, self.run_dir / "model" / "model_best.pth")
+            record = {"step": self.state.step, "metric": self.task.best_metric, "value": value}
+            sidecar = self.run_dir / "model" / "model_best.json"
+            sidecar.with_name(sidecar.name + ".tmp").write_text(json.dumps(record) + "\n")
+            sidecar.with_name(sidecar.name + ".tmp").replace(sidecar)
 
     def _write_summary(self, final: dict) -> None:
         summary = {
@@ -574,6 +567,7 @@ class Trainer:
             "epochs_completed": self.state.epoch,
             "world_size": self.env.world_size,
             "final_val": final,
-            "best_miou": self.state.best_metric if self.state.best_metric > -math.inf else None,
+            "best_metric": self.task.best_metric,
+            "best_value": self.state.best_metric if math.isfinite(self.state.best_metric) else None,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -87,6 +87,12 @@ def check_resume_changes(saved: SavedRun, cfg: dict) -> dict[str, tuple]:
                 f"{key}: {old!r} in the run, {new!r} now: a resume restores the saved {key.split('.')[0]} state, "
                 f"so this change would not take effect; resume without it, {restart_hint}"
             )
+    if "task.best_metric" in changes and (changes["task.best_metric"][0] or "miou") != changes["task.best_metric"][1]:
+        old, new = changes["task.best_metric"]
+        raise ConfigError(
+            f"task.best_metric: {old or 'miou'!r} in the run, {new!r} now: the run's best value so far is of "
+            f"{old or 'miou'}, so model_best.pth could not be compared; resume without it, {restart_hint}"
+        )
     model_keys = [k for k in changes if k.split(".")[0] == "model" or k == "data.num_classes"]
     if model_keys:
         problem = _parameter_mismatch(saved.cfg["model"], cfg["model"])

@@ -1,0 +1,26 @@
+"""What is learned from a batch: the trainer's loop is the same for every task.
+
+A task turns a batch into a loss (`forward_loss`), makes the meter that accumulates validation
+metrics exactly across ranks (`make_meter`), and names the validation metric that picks
+`model_best.pth` (`best_metric`, `higher_is_better`). The trainer moves the batch to the device,
+runs `forward_loss` under autocast, backpropagates `output.loss` and feeds the meter; it never
+looks at labels or logits itself, so a second task (another label set, a regression) is a new
+class here, not a fork of the loop.
+"""
+
+from pimm.registry import Registry
+from pimm.tasks.base import Meter, Task, TaskOutput
+from pimm.tasks.segmentation import SemanticSegmentation, event_mean_loss
+
+TASKS = Registry("task")
+TASKS.register(SemanticSegmentation)
+
+
+def build_task(cfg: dict) -> Task:
+    """The task of a resolved config: `cfg["task"]` (type and options) with the data's classes."""
+    task = cfg.get("task") or {"type": "SemanticSegmentation"}
+    data = cfg["data"]
+    return TASKS.build(task, num_classes=int(data["num_classes"]), class_names=data.get("names"))
+
+
+__all__ = ["TASKS", "Meter", "SemanticSegmentation", "Task", "TaskOutput", "build_task", "event_mean_loss"]

@@ -1,0 +1,52 @@
+"""The task interface (see pimm.tasks)."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class TaskOutput:
+    """One forward: `loss` (scalar, mean over the batch's events: what is backpropagated),
+    `event_losses` (B,) each event's loss, `prediction` (the model output, for the meter)."""
+
+    loss: torch.Tensor
+    event_losses: torch.Tensor
+    prediction: torch.Tensor
+
+
+class Meter(ABC):
+    """Validation metrics of one rank's batches; `compute` reduces over all ranks (a collective)."""
+
+    @abstractmethod
+    def update(self, output: TaskOutput, batch: dict) -> None: ...
+
+    @abstractmethod
+    def compute(self) -> dict: ...
+
+
+class Task(ABC):
+    """What the trainer trains and evaluates through (pimm.tasks says how it is used)."""
+
+    best_metric: str  # key of `make_meter().compute()` that picks model_best.pth
+    higher_is_better: bool = True
+
+    @abstractmethod
+    def forward_loss(self, module: nn.Module, batch: dict) -> TaskOutput:
+        """`batch` (collated, on the module's device) -> TaskOutput."""
+
+    @abstractmethod
+    def make_meter(self, device: torch.device) -> Meter: ...
+
+    def is_better(self, value: float | None, best: float) -> bool:
+        """Is `value` of `best_metric` strictly better than `best` (not finite: nothing yet)?"""
+        if value is None or not math.isfinite(value):  # missing or NaN is never better
+            return False
+        if not math.isfinite(best):
+            return True
+        return value > best if self.higher_is_better else value < best
