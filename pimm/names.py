@@ -1,14 +1,13 @@
 """The names a config may give in `type=...` and similar keys, without importing torch.
 
 The registries (pimm.engine.optim, pimm.models, pimm.tasks, pimm.data.dataset,
-pimm.distributed.strategy)
-register exactly these names, and the launcher's config check (pimm.config.validate) accepts
-exactly these, so a name is added in one place.
+pimm.distributed.strategy) register exactly these names, and the launcher's config check
+(pimm.config.validate) accepts exactly these, so a name is added in one place.
 """
 
 OPTIMIZERS = ("SGD", "Adam", "AdamW")  # torch.optim classes of the same name
 SCHEDULERS = ("OneCycleLR", "CosineAnnealingLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR")
-MODELS = ("PointSegNet", "PointTransformer")
+MODELS = ("PointSegNet",)
 TASKS = ("SemanticSegmentation",)  # pimm.tasks
 DATASETS = ("LArTPCDataset", "PILArNetDataset")
 PILARNET_REVISIONS = ("v1", "v2", "v3")  # PILArNetDataset revision=...; cluster columns in pimm.data.pilarnet_file
