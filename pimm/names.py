@@ -7,7 +7,7 @@ pimm.distributed.strategy) register exactly these names, and the launcher's conf
 
 OPTIMIZERS = ("SGD", "Adam", "AdamW")  # torch.optim classes of the same name
 SCHEDULERS = ("OneCycleLR", "CosineAnnealingLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR")
-MODELS = ("PointSegNet",)
+MODELS = ("PointSegNet", "PointTransformer")
 TASKS = ("SemanticSegmentation",)  # pimm.tasks
 DATASETS = ("LArTPCDataset", "PILArNetDataset")
 PILARNET_REVISIONS = ("v1", "v2", "v3")  # PILArNetDataset revision=...; cluster columns in pimm.data.pilarnet_file
