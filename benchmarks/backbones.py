@@ -1,7 +1,7 @@
 """PointSegNet against the PointTransformer backbone at equal wall-clock training time.
 
 Each model trains in this process, on the CPU, for the same `--seconds`, then both are evaluated
-on the same validation events with pimm's SegmentationMeter:
+on the same validation events with the task's meter (pimm's SegmentationMeter):
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/backbones.py [--seconds 120] [--data DIR]
                                                                [--events 2400 --val-events 400]
@@ -32,7 +32,6 @@ from pimm.cli.paths import config_roots
 from pimm.config import load_config, resolve_config_path
 from pimm.data.collate import collate_events
 from pimm.data.dataset import build_dataset
-from pimm.engine.metrics import SegmentationMeter, metrics_from_confusion
 from pimm.engine.optim import build_optimizer
 from pimm.models import build_model
 from pimm.tasks import build_task
@@ -127,17 +126,16 @@ def train_for(cfg: dict, train_set, batch_size: int, seconds: float, seed: int, 
 
 
 @torch.no_grad()
-def evaluate(model, task, val_set, batch_size: int, num_classes: int) -> dict:
-    """Validation metrics (pimm's SegmentationMeter) and the evaluation rate."""
+def evaluate(model, task, val_set, batch_size: int) -> dict:
+    """Validation metrics (the task's meter, as in the trainer) and the evaluation rate."""
     model.eval()
-    meter = SegmentationMeter(num_classes, torch.device("cpu"), task.ignore_index)
+    meter = task.make_meter(torch.device("cpu"))
     start = time.perf_counter()
     for first in range(0, len(val_set), batch_size):
         batch = collate_events([val_set[i] for i in range(first, min(first + batch_size, len(val_set)))])
         meter.update(task.forward_loss(model, batch), batch)
     seconds = time.perf_counter() - start
-    metrics = metrics_from_confusion(meter.confusion.double(), float(meter.loss_sum), int(meter.events))
-    return {**metrics, "eval_events_per_s": len(val_set) / seconds}
+    return {**meter.compute(), "eval_events_per_s": len(val_set) / seconds}  # compute: no process group, no reduce
 
 
 def ensure_data(args: argparse.Namespace, tmp: Path) -> Path:
@@ -183,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             val_cfg = {**(cfg["data"].get("val") or {"type": "LArTPCDataset"}), "path": str(data / "val.h5")}
             train_set, val_set = build_dataset(train_cfg, seed=args.seed), build_dataset(val_cfg, seed=args.seed)
             run = train_for(cfg, train_set, batch_size, args.seconds, args.seed, args.warmup_steps)
-            metrics = evaluate(run["model"], run["task"], val_set, int(cfg.get("batch_size_val") or batch_size),
-                               int(cfg["data"]["num_classes"]))
+            metrics = evaluate(run["model"], run["task"], val_set, int(cfg.get("batch_size_val") or batch_size))
             row = {"config": name, "type": cfg["model"]["type"], "names": cfg["data"]["names"],
                    **{k: v for k, v in run.items() if k not in ("model", "task")}, **metrics}
             print(f"  {name}: {row['steps']} steps in {row['train_s']:.0f}s, val mIoU {row['miou']:.4f}", flush=True)

@@ -28,12 +28,17 @@ def voxel_clusters(
     return cluster, counts
 
 
-def voxel_mean(features: torch.Tensor, cluster: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Mean of `features` over each point's voxel, computed in float32 whatever the autocast dtype
-    (in bf16 a count saturates at 256 and a sum of thousands of points loses its low digits)."""
+def cluster_mean(features: torch.Tensor, cluster: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """(clusters, C) float32 mean of `features` over each cluster, computed in float32 whatever the
+    autocast dtype (in bf16 a count saturates at 256 and a sum of thousands of points loses its low digits)."""
     summed = features.new_zeros(len(counts), features.shape[1], dtype=torch.float32)
     summed.index_add_(0, cluster, features.float())
-    return (summed / counts.unsqueeze(1))[cluster].to(features.dtype)
+    return summed / counts.unsqueeze(1)
+
+
+def voxel_mean(features: torch.Tensor, cluster: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Mean of `features` over each point's voxel, back at every point, in `features`' dtype."""
+    return cluster_mean(features, cluster, counts)[cluster].to(features.dtype)
 
 
 class Block(nn.Module):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pimm.data.collate import offset_to_batch_index
+from pimm.models.point_seg_net import cluster_mean
 from pimm.models.serialization import ORDERS, bit_depth, check_depth, serialize
 
 _NEIGHBOUR_OFFSETS = list(itertools.product((-1, 0, 1), repeat=3))  # the 27 cells of a 3x3x3 kernel
@@ -57,13 +58,15 @@ class Level:
 
     Voxels are stored sorted by `pack_keys`, so each event's voxels are contiguous and in event
     order, and a voxel's index is its position in `keys` (which the neighbour search relies on).
-    `parent` maps every element of the finer level (points for level 0) to its voxel here.
+    `parent` maps every element of the finer level (points for level 0) to its voxel here, and
+    `children` counts those elements per voxel.
     """
 
     def __init__(self, batch: torch.Tensor, grid: torch.Tensor, depth: int, num_events: int) -> None:
         check_depth(depth, num_events)
         # unique sorts, and gives the parent of every finer element (a host sync: its size is data-dependent)
-        self.keys, self.parent = torch.unique(pack_keys(batch, grid, depth), return_inverse=True)
+        self.keys, self.parent, self.children = torch.unique(pack_keys(batch, grid, depth), return_inverse=True,
+                                                             return_counts=True)
         self.depth = depth
         self.num_events = num_events
         self.num_voxels = len(self.keys)
@@ -259,15 +262,6 @@ class Stage(nn.Module):
         return x
 
 
-def _voxel_mean(points: torch.Tensor, level: Level) -> torch.Tensor:
-    """Mean of the points' features over each voxel of `level`, summed in float32 whatever the
-    autocast dtype (a bf16 sum over a dense voxel loses its low digits)."""
-    summed = points.new_zeros(level.num_voxels, points.shape[1], dtype=torch.float32)
-    summed.index_add_(0, level.parent, points.float())
-    counts = torch.bincount(level.parent, minlength=level.num_voxels).clamp(min=1)
-    return (summed / counts.unsqueeze(1)).to(points.dtype)
-
-
 def _per_stage(name: str, values, stages: int) -> list:
     values = list(values)
     if len(values) != stages:
@@ -373,7 +367,7 @@ class PointTransformer(nn.Module):
         # each point's place within its voxel: what grid sampling alone would throw away
         within = scaled - scaled.floor() - 0.5
         points = self.stem(torch.cat([feat, within.to(feat.dtype)], dim=1))
-        x = _voxel_mean(points, levels[0])
+        x = cluster_mean(points, levels[0].parent, levels[0].children).to(points.dtype)
         skips = []
         for s, stage in enumerate(self.encoder):
             if s > 0:
