@@ -4,15 +4,30 @@ FSDP2), and the backbone benchmark end to end."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import REPO, run_pimm, steps
+from conftest import (
+    REPO,
+    assert_bitwise_equal,
+    kill_run,
+    losses,
+    metrics_lines,
+    processes_of,
+    run_pimm,
+    start_launch,
+    steps,
+    wait_for_run,
+    wait_until,
+    weights,
+)
 
 from pimm.config import load_config
 from pimm.models import build_model
@@ -211,6 +226,39 @@ def test_one_and_two_ranks_train_alike_under_ddp_and_fsdp2(tmp_path, tiny_data):
         assert worst <= LOSS_RTOL, (loss1, other)
     log = (fsdp / "logs" / "rank0.log").read_text()
     assert "fsdp2: 5 TransformerBlock module(s) sharded" in log
+
+
+def test_sigusr1_to_every_process_with_loader_workers_then_resume_is_bit_exact(tmp_path, tiny_data):
+    """As a cluster stops a job: every process (launcher, torchrun, 2 ranks, their loader workers) gets
+    SIGUSR1; the resumed run draws the same shuffled curves (the count is checkpointed) and ends with
+    the uninterrupted run's losses and weights, bit for bit."""
+    common = ("num_worker=4", "epochs=1", "log_event_ids=true")
+    extra = ["--train.config", TINY_PTV3]
+    reference = start_launch(tmp_path, tiny_data, 2, *common, name="reference", extra=extra)
+    out, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err
+    proc = start_launch(tmp_path, tiny_data, 2, *common, name="job", extra=extra)
+    run_dir = tmp_path / "tests" / "job"
+    try:
+        wait_for_run(proc, lambda: metrics_lines(run_dir) >= 3)
+        assert wait_until(lambda: len(processes_of(run_dir)) >= 8, timeout=30), processes_of(run_dir)
+        for pid in processes_of(run_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        kill_run(proc, run_dir)
+    assert proc.returncode == 75, err
+    stopped_at = json.loads((run_dir / "model/last/.complete").read_text())["step"]
+    assert stopped_at < 12
+    res = run_pimm(["launch", "--train.config", TINY_PTV3, "--run.name", "job", "--run.no-timestamp",
+                    "--paths.exp-root", str(tmp_path), "--train.resume"], cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    ref_dir = tmp_path / "tests" / "reference"
+    assert steps(run_dir) == steps(ref_dir)
+    assert losses(run_dir) == losses(ref_dir)
+    assert_bitwise_equal(weights(run_dir), weights(ref_dir))
+    assert int(weights(run_dir)["shuffle_count"]) == 12
 
 
 # ----------------------------------------------------------------------------- benchmark

@@ -262,6 +262,10 @@ class Stage(nn.Module):
         return x
 
 
+def _reload_shuffle_count(module: PointTransformer, incompatible_keys) -> None:
+    module.training_forwards = int(module.shuffle_count)
+
+
 def _per_stage(name: str, values, stages: int) -> list:
     values = list(values)
     if len(values) != stages:
@@ -278,8 +282,9 @@ class PointTransformer(nn.Module):
     forward permutes them. The permutation comes from a generator seeded by the torch seed at
     construction plus the count of training forwards, not from the global RNG: the trainer reseeds
     that per rank, and ranks attending along different curves would each compute the gradient of a
-    different function. The same seed and step give the same curves on every rank and at every world
-    size (a resumed run restarts the count, and with gradient accumulation the count is of micro-batches).
+    different function. The same seed and count give the same curves on every rank and at every world
+    size. The count is a buffer, so it is checkpointed with the weights and a resumed run draws the
+    curves the uninterrupted run would have (with gradient accumulation it counts micro-batches).
     """
 
     def __init__(
@@ -315,7 +320,11 @@ class PointTransformer(nn.Module):
         self.orders = list(orders)
         self.shuffle_orders = bool(shuffle_orders)
         self.shuffle_seed = torch.initial_seed()  # the same on every rank: the trainer seeds before building
+        # the count of training forwards: a python int for the hot path (no device read), mirrored in a
+        # buffer so that it travels with the state dict; loading one sets the int again
         self.training_forwards = 0
+        self.register_buffer("shuffle_count", torch.zeros((), dtype=torch.int64))
+        self.register_load_state_dict_post_hook(_reload_shuffle_count)
         # stochastic depth grows linearly over all blocks, encoder then decoder (python: buildable on meta)
         blocks = sum(enc_depths) + sum(dec_depths)
         rates = iter([float(drop_path) * i / max(blocks - 1, 1) for i in range(blocks)])
@@ -343,6 +352,7 @@ class PointTransformer(nn.Module):
             return self.orders
         generator = torch.Generator().manual_seed((self.shuffle_seed + self.training_forwards) % 2**63)
         self.training_forwards += 1
+        self.shuffle_count.fill_(self.training_forwards)
         return [self.orders[i] for i in torch.randperm(len(self.orders), generator=generator).tolist()]
 
     def levels(self, scaled: torch.Tensor, batch_index: torch.Tensor, num_events: int) -> list[Level]:
