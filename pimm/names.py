@@ -9,6 +9,7 @@ OPTIMIZERS = ("SGD", "Adam", "AdamW")  # torch.optim classes of the same name
 SCHEDULERS = ("OneCycleLR", "CosineAnnealingLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR")
 MODELS = ("PointSegNet", "PointTransformer")
 TASKS = ("SemanticSegmentation",)  # pimm.tasks
+SERIALIZATION_ORDERS = ("z", "z-trans", "hilbert", "hilbert-trans")  # PointTransformer orders=...
 DATASETS = ("LArTPCDataset", "PILArNetDataset")
 PILARNET_REVISIONS = ("v1", "v2", "v3")  # PILArNetDataset revision=...; cluster columns in pimm.data.pilarnet_file
 PILARNET_LABELS = ("motif", "pid")  # PILArNetDataset label=...

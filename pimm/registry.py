@@ -45,5 +45,5 @@ class Registry:
         factory = self.get(cfg["type"])
         try:
             return factory(*args, **kwargs, **extra)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:  # an argument the component refuses: the config's fault
             raise ConfigError(f"cannot build {self.kind} '{cfg['type']}' from {kwargs}: {exc}") from exc

@@ -261,6 +261,34 @@ def test_sigusr1_to_every_process_with_loader_workers_then_resume_is_bit_exact(t
     assert int(weights(run_dir)["shuffle_count"]) == 12
 
 
+@pytest.mark.parametrize(("override", "message"), [
+    ("model.enc_depths=[1,1]", "model.enc_channels=[16, 32, 64] is not allowed: it has 3 entries but the encoder"),
+    ("model.dec_depths=[1,1,1]", "it has 3 entries but the decoder has 2 stage(s) (len(enc_depths) - 1)"),
+    ("model.orders=[z,peano]", "must be a non-empty list of z, z-trans, hilbert, hilbert-trans"),
+    ("model.enc_num_head=[3,3,3]", "enc_channels must be divisible by it stage by stage (16 by 3)"),
+    ("model.drop_path=1.5", "model.drop_path=1.5 is not allowed: it must be a number in [0, 1)"),
+    ("model.grid_size=0", "model.grid_size=0 is not allowed: it must be a finite number > 0"),
+])
+def test_bad_model_options_exit_2_before_any_process(tmp_path, tiny_data, override, message):
+    res = run_pimm(["launch", "--train.config", TINY_PTV3, "--paths.exp-root", str(tmp_path), "--dry-run", "--",
+                    f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}",
+                    "model.enc_depths=[1,1,1]", "model.enc_channels=[16,32,64]", "model.enc_num_head=[2,4,4]",
+                    "model.enc_patch_size=[16,16,16]", "model.dec_depths=[1,1]", "model.dec_channels=[16,32]",
+                    "model.dec_num_head=[2,4]", "model.dec_patch_size=[16,16]", override], REPO)
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr and "Traceback" not in res.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_model_built_from_defaults_it_cannot_use_is_a_config_error():
+    """Keys the config leaves to the defaults are checked when the model is built (in the rank):
+    the same check, reported as a config error, not a raw ValueError."""
+    from pimm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="enc_channels.* is not allowed: it has 5 entries but the encoder has 2"):
+        build_model({"type": "PointTransformer", "enc_depths": [1, 1]})
+
+
 # ----------------------------------------------------------------------------- benchmark
 
 

@@ -210,6 +210,8 @@ def check_config(cfg: dict) -> None:
             if given:
                 raise ConfigError(f"data.{split}.{given[0]} is an option of PILArNetDataset, not of "
                                   f"{dataset.get('type')}; remove it or set data.{split}.type='PILArNetDataset'")
+    if model.get("type") == "PointTransformer":
+        check_point_transformer(model)
     task = cfg.get("task")
     if isinstance(task, dict):
         unknown = sorted(set(task) - {"type", "class_weights", "ignore_index", "best_metric"})
@@ -256,3 +258,45 @@ def check_segmentation_options(num_classes, class_weights, ignore_index, best_me
     if best_metric not in SEGMENTATION_METRICS:
         raise ConfigError(f"task.best_metric={best_metric!r} is not allowed: it must be one of "
                           f"{', '.join(SEGMENTATION_METRICS)} (the validation metric that picks model_best.pth)")
+
+
+_PTV3_STAGE_KEYS = ("enc_depths", "enc_channels", "enc_num_head", "enc_patch_size")
+_PTV3_DECODER_KEYS = ("dec_depths", "dec_channels", "dec_num_head", "dec_patch_size")
+
+
+def check_point_transformer(model: dict) -> None:
+    """ConfigError for PointTransformer options it cannot be built from. The launcher checks the keys
+    a config gives; the model checks all of them, defaults included, with this same function."""
+    def fail(key: str, why: str) -> ConfigError:
+        return ConfigError(f"model.{key}={model[key]!r:.100} is not allowed: {why}. Fix it in the config or "
+                           f"override it: -- model.{key}=<value>")
+
+    for key in (*_PTV3_STAGE_KEYS, *_PTV3_DECODER_KEYS):
+        value = model.get(key)
+        if value is not None and not (isinstance(value, (list, tuple)) and all(_is_int(v) and v >= 1 for v in value)):
+            raise fail(key, "it must be a list of integers >= 1, one per stage")
+    stages = len(model["enc_depths"]) if model.get("enc_depths") is not None else None
+    if stages == 0:
+        raise fail("enc_depths", "the encoder needs at least one stage")
+    for keys, expected, what in ((_PTV3_STAGE_KEYS, stages, "the encoder has {} stage(s) (len(enc_depths))"),
+                                 (_PTV3_DECODER_KEYS, None if stages is None else stages - 1,
+                                  "the decoder has {} stage(s) (len(enc_depths) - 1)")):
+        for key in keys:
+            if expected is not None and model.get(key) is not None and len(model[key]) != expected:
+                raise fail(key, f"it has {len(model[key])} entries but {what.format(expected)}, one entry each")
+    for channels_key, heads_key in (("enc_channels", "enc_num_head"), ("dec_channels", "dec_num_head")):
+        channels, heads = model.get(channels_key), model.get(heads_key)
+        if channels is not None and heads is not None:
+            for c, h in zip(channels, heads):
+                if c % h:
+                    raise fail(heads_key, f"{channels_key} must be divisible by it stage by stage ({c} by {h})")
+    orders = model.get("orders")
+    if orders is not None and (not isinstance(orders, (list, tuple)) or not orders
+                               or any(o not in names.SERIALIZATION_ORDERS for o in orders)):
+        raise fail("orders", f"it must be a non-empty list of {', '.join(names.SERIALIZATION_ORDERS)}")
+    for key in ("grid_size", "mlp_ratio"):
+        if model.get(key) is not None and not (_is_number(model[key]) and model[key] > 0):
+            raise fail(key, "it must be a finite number > 0")
+    drop_path = model.get("drop_path")
+    if drop_path is not None and not (_is_number(drop_path) and 0 <= drop_path < 1):
+        raise fail("drop_path", "it must be a number in [0, 1)")

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pimm.config.validate import check_point_transformer
 from pimm.data.collate import offset_to_batch_index
 from pimm.models.point_seg_net import cluster_mean
 from pimm.models.serialization import ORDERS, bit_depth, check_depth, serialize
@@ -266,13 +267,6 @@ def _reload_shuffle_count(module: PointTransformer, incompatible_keys) -> None:
     module.training_forwards = int(module.shuffle_count)
 
 
-def _per_stage(name: str, values, stages: int) -> list:
-    values = list(values)
-    if len(values) != stages:
-        raise ValueError(f"{name} has {len(values)} entries, expected {stages} (one per stage): {values}")
-    return values
-
-
 class PointTransformer(nn.Module):
     """Per-point classifier: grid sampling, an encoder of len(enc_depths) stages joined by stride-2
     grid pooling, a decoder of len(enc_depths) - 1 stages (dec_* listed from the finest level up,
@@ -306,16 +300,8 @@ class PointTransformer(nn.Module):
         drop_path: float = 0.0,
     ) -> None:
         super().__init__()
+        check_point_transformer({key: value for key, value in locals().items() if key not in ("self", "__class__")})
         stages = len(enc_depths)
-        enc_channels, enc_num_head, enc_patch_size = (
-            _per_stage(name, values, stages) for name, values in
-            (("enc_channels", enc_channels), ("enc_num_head", enc_num_head), ("enc_patch_size", enc_patch_size)))
-        dec_depths, dec_channels, dec_num_head, dec_patch_size = (
-            _per_stage(name, values, stages - 1) for name, values in
-            (("dec_depths", dec_depths), ("dec_channels", dec_channels), ("dec_num_head", dec_num_head),
-             ("dec_patch_size", dec_patch_size)))
-        if not orders or any(o not in ORDERS for o in orders):
-            raise ValueError(f"orders {list(orders)} must be a non-empty list of {', '.join(ORDERS)}")
         self.grid_size = float(grid_size)
         self.orders = list(orders)
         self.shuffle_orders = bool(shuffle_orders)

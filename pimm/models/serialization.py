@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-ORDERS = ("z", "z-trans", "hilbert", "hilbert-trans")
+from pimm import names
+
+ORDERS = names.SERIALIZATION_ORDERS
 CODE_BITS = 63  # codes are non-negative int64
 _AXES = {"z": (0, 1, 2), "z-trans": (1, 0, 2), "hilbert": (0, 1, 2), "hilbert-trans": (1, 0, 2)}
 
