@@ -124,30 +124,69 @@ def test_unwritable_directory_keeps_the_index_in_memory(tmp_path: Path, monkeypa
     assert len(PILArNetDataset(tmp_path / "ro")) == 6 and not scans  # this process does not scan again
 
 
-def test_min_points_and_energy_threshold_select_events(tmp_path: Path) -> None:
+def test_energy_threshold_cuts_points_and_min_points_counts_what_is_left(tmp_path: Path, monkeypatch) -> None:
     (path,) = write_pilarnet(tmp_path / "sel.h5", 12, seed=6)
     events = [pilarnet_event(6, i) for i in range(12)]
     sizes = np.array([len(e["coord"]) for e in events])
-    energies = np.array([e["energy"].sum(dtype=np.float64) for e in events])
-    min_points, threshold = int(np.median(sizes)), float(np.median(energies))
+    threshold = float(np.median(np.concatenate([e["energy"] for e in events])))
+    above = np.array([(e["energy"] > np.float32(threshold)).sum() for e in events])
+    min_points = int(np.median(above))
+    scans, passes = [], []
+    real_scan, real_count = pilarnet_file._scan, pilarnet_file._count_kept
+    monkeypatch.setattr(pilarnet_file, "_scan", lambda *a: scans.append(a) or real_scan(*a))
+    monkeypatch.setattr(pilarnet_file, "_count_kept", lambda *a: passes.append(a) or real_count(*a))
     for kwargs, keep in (
         ({"min_points": min_points}, sizes >= min_points),
-        ({"energy_threshold": threshold}, energies >= threshold),
-        ({"min_points": min_points, "energy_threshold": threshold}, (sizes >= min_points) & (energies >= threshold)),
+        ({"energy_threshold": threshold}, above > 0),
+        ({"min_points": min_points, "energy_threshold": threshold}, above >= min_points),
     ):
         ds = PILArNetDataset(path, **kwargs)
-        assert 0 < len(ds) < 12 and len(ds) == keep.sum(), kwargs
+        assert 0 < len(ds) <= 12 and len(ds) == keep.sum(), kwargs
         for i, row in enumerate(np.flatnonzero(keep)):
-            np.testing.assert_array_equal(ds.read_raw(i)["coord"], events[row]["coord"])
+            e, raw = events[row], ds.read_raw(i)
+            cut = e["energy"] > np.float32(kwargs.get("energy_threshold", 0.0))
+            if "energy_threshold" not in kwargs:
+                cut[:] = True
+            # the points at or below the threshold are gone, labels stay with their points
+            np.testing.assert_array_equal(raw["coord"], e["coord"][cut])
+            np.testing.assert_array_equal(raw["segment"], e["segment"][cut])
+            assert raw["point"].shape == (len(e["coord"]), 8)  # the stored event, uncut
+            assert len(ds[(0, i)]["coord"]) == cut.sum() >= kwargs.get("min_points", 1)
         assert ds.info["events_in_files"] == 12
+    assert len(ds) < (sizes >= min_points).sum()  # the cut changes which events have min_points
+    # one full scan, then one pass for the new threshold; later starts read both from the cache
+    assert len(scans) == 1 and len(passes) == 1
+    PILArNetDataset(path, min_points=min_points, energy_threshold=threshold)
+    assert len(scans) == 1 and len(passes) == 1
     ds = PILArNetDataset(path, min_points=min_points, max_len=2)
     assert len(ds) == 2
-    hashes = {PILArNetDataset(path, min_points=m).info["content_hash"] for m in (0, min_points)}
-    assert len(hashes) == 2  # the selection is part of the identity the resume cursor checks
-    with pytest.raises(DataError, match="no event of 12 .* has >= 100000 points"):
-        PILArNetDataset(path, min_points=100_000)
+    hashes = {PILArNetDataset(path, min_points=m, energy_threshold=t).info["content_hash"]
+              for m in (0, min_points) for t in (0.0, threshold)}
+    assert len(hashes) == 4  # the selection and the cut are part of the identity the resume cursor checks
+    with pytest.raises(DataError, match="no event of 12 .* has >= 100000 points above"):
+        PILArNetDataset(path, min_points=100_000, energy_threshold=threshold)
     with pytest.raises(ConfigError, match="min_points must be an integer >= 0"):
         PILArNetDataset(path, min_points=-1)
+    with pytest.raises(ConfigError, match="energy_threshold must be a finite number >= 0"):
+        PILArNetDataset(path, energy_threshold=float("nan"))
+
+
+def test_remove_low_energy_scatters_drops_the_first_cluster_only_when_it_is_one(tmp_path: Path) -> None:
+    # v2 rows [size, cluster_id, group_id, interaction_id, semantic, pid]; the first event starts with
+    # its scatters (semantic 4), the second has none, so its first cluster (a track) is kept
+    scatters_first = [[3, 0, 0, -1, 4, -1], [4, 1, 1, 0, 1, 2], [2, 2, 2, 0, 0, 1]]
+    no_scatters = [[4, 0, 0, 0, 1, 2], [2, 1, 1, 0, 0, 1]]
+    path = write_pilarnet_file(tmp_path / "les.h5", [_event(scatters_first), _event(no_scatters, seed=1)])
+    ds = PILArNetDataset(path, remove_low_energy_scatters=True)
+    assert ds.read_raw(0)["segment"].tolist() == [1, 1, 1, 1, 0, 0]
+    np.testing.assert_array_equal(ds.read_raw(0)["coord"], _event(scatters_first)["point"][3:, :3])
+    assert ds.read_raw(1)["segment"].tolist() == [1, 1, 1, 1, 0, 0]
+    assert len(PILArNetDataset(path, remove_low_energy_scatters=True, min_points=6)) == 2
+    assert len(PILArNetDataset(path, min_points=7)) == 1  # without the option the scatters count
+    with pytest.raises(DataError, match="outside the low-energy scatters"):
+        PILArNetDataset(path, remove_low_energy_scatters=True, min_points=7)
+    with pytest.raises(ConfigError, match="remove_low_energy_scatters must be true or false"):
+        PILArNetDataset(path, remove_low_energy_scatters="yes")
 
 
 def test_ignore_labels_stay_minus_one_and_the_trainer_skips_them(tmp_path: Path) -> None:
@@ -263,8 +302,12 @@ def test_validation_names_what_is_wrong(tmp_path: Path) -> None:
 def test_config_accepts_pilarnet_keys_only_for_pilarnet(tmp_path: Path) -> None:
     cfg = load_config(REPO / "configs" / "tests" / "tiny_semseg.py")
     cfg["data"]["train"] = _spec(tmp_path, split="train", revision="v1", label="motif", min_points=10,
-                                 energy_threshold=1.5, volume_size=256.0)
+                                 energy_threshold=1.5, volume_size=256.0, remove_low_energy_scatters=True)
     check_config(cfg)
+    cfg["data"]["train"]["remove_low_energy_scatters"] = "yes"
+    with pytest.raises(ConfigError, match="data.train.remove_low_energy_scatters"):
+        check_config(cfg)
+    cfg["data"]["train"]["remove_low_energy_scatters"] = False
     cfg["data"]["train"]["revision"] = "v4"
     with pytest.raises(ConfigError, match=r"data.train.revision='v4' is not allowed.*one of v1, v2, v3"):
         check_config(cfg)

@@ -2,12 +2,15 @@
 # schedule: point data.*.path at the download root (shards <root>/*train/*.h5, <root>/*val/*.h5), e.g.
 # `-- data.train.path=/scratch/pilarnet data.val.path=/scratch/pilarnet`. For the 6 particle classes set
 # label="pid" in both splits and data.num_classes=6, model.num_classes=6, data.names=None.
+# energy_threshold=0.13 (MeV; points at or below it are dropped) and min_points=1024 (counted after that cut)
+# are the values of the published PILArNet-M studies; remove_low_energy_scatters=True drops each event's
+# low-energy-scatter cluster as well.
 _base_ = ["../demo/semseg.py"]
 
 num_worker = 4
 
 _pilarnet = dict(_delete_=True, type="PILArNetDataset", path="data/pilarnet", revision="v2", label="motif",
-                 min_points=1024, energy_threshold=0.0, volume_size=768.0)
+                 min_points=1024, energy_threshold=0.13, remove_low_energy_scatters=False, volume_size=768.0)
 data = dict(
     train=dict(_pilarnet, split="train", augment=True),
     val=dict(_pilarnet, split="val"),

@@ -85,9 +85,10 @@ _SPLIT = {  # data.<split>.<key>
     "energy_threshold": number(0, strict=False),
     "volume_size": number(0, strict=True),
     "pid_unlabelled_as_none": BOOL,
+    "remove_low_energy_scatters": BOOL,
 }
 _PILARNET_ONLY = ("split", "revision", "label", "min_points", "energy_threshold", "volume_size",
-                  "pid_unlabelled_as_none")
+                  "pid_unlabelled_as_none", "remove_low_energy_scatters")
 REQUIRED, OPTIONAL = True, False
 
 # (dotted key, required, rule), parents before children. A nested key is looked at only when its

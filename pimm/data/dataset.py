@@ -22,6 +22,7 @@ from pimm.data.pilarnet_file import (
     LABEL_NAMES,
     PID_NAMES,
     event_arrays,
+    kept_points,
     open_pilarnet,
     point_labels,
 )
@@ -186,8 +187,10 @@ class PILArNetDataset(LArTPCDataset):
     event_id (the index in the selection, over all shards in order).
 
     `path` is one .h5 shard, a directory with `*<split>/*.h5`, or a directory of .h5 files.
-    Events with fewer than `min_points` points or less than `energy_threshold` MeV in total are
-    left out, through an index cached beside each shard (built on first use). `volume_size` is
+    Points with deposited energy at or below `energy_threshold` MeV are dropped, and with
+    `remove_low_energy_scatters` the event's low-energy-scatter cluster (the first, semantic 4),
+    as PILArNet-M's published reader does; events with fewer than `min_points` points left (or
+    none) are left out, through an index cached beside each shard (built on first use). `volume_size` is
     the side of the cube the coordinates fill (768 voxels in PILArNet-M). With
     `pid_unlabelled_as_none`, pid -1 (the low-energy deposits of PILArNet-M v2) becomes class 5
     "none", as in Pointcept's PILArNet reader. Shards are opened lazily, one handle per shard
@@ -208,9 +211,12 @@ class PILArNetDataset(LArTPCDataset):
         energy_scale: float = 1.0,
         volume_size: float = 768.0,
         pid_unlabelled_as_none: bool = False,
+        remove_low_energy_scatters: bool = False,
     ) -> None:
         _check_options(seed, max_len, energy_scale=energy_scale, volume_size=volume_size)
-        self.info, shards, rows = open_pilarnet(path, split, revision, label, min_points, energy_threshold)
+        self.info, shards, rows = open_pilarnet(path, split, revision, label, min_points, energy_threshold,
+                                                remove_low_energy_scatters=remove_low_energy_scatters)
+        self.cut = (float(energy_threshold), bool(remove_low_energy_scatters))
         self.path = self.info["path"]
         self.shards = [str(s) for s in shards]
         n = self.info["num_events"] if max_len is None else min(int(max_len), self.info["num_events"])
@@ -261,8 +267,9 @@ class PILArNetDataset(LArTPCDataset):
         return self._files[shard][1:]
 
     def read_raw(self, index: int) -> dict[str, np.ndarray]:
-        """Event `index` of the selection: point (N,8) and cluster (K,5|6) as stored, and coord (N,3)
-        float32, energy (N,) float32, segment (N,) int64 (the chosen label per point)."""
+        """Event `index` of the selection: point (N,8) and cluster (K,5|6) as stored, and the points
+        that survive the cut: coord (M,3) float32, energy (M,) float32, segment (M,) int64 (the
+        chosen label per point)."""
         shard, row = int(self.event_shard[index]), int(self.event_row[index])
         point_ds, cluster_ds = self._open_shard(shard)
         path = Path(self.shards[shard])
@@ -274,12 +281,14 @@ class PILArNetDataset(LArTPCDataset):
         segment = point_labels(cluster, self.label)
         if self.pid_unlabelled_as_none and self.label == "pid":
             segment[segment == IGNORE_LABEL] = PID_NAMES.index("none")
+        keep = kept_points(point, cluster, self.cut)
+        kept = point if keep is None else point[keep]
         return {
             "point": point,
             "cluster": cluster,
-            "coord": np.ascontiguousarray(point[:, :3], dtype=np.float32),
-            "energy": np.ascontiguousarray(point[:, 3], dtype=np.float32),
-            "segment": segment,
+            "coord": np.ascontiguousarray(kept[:, :3], dtype=np.float32),
+            "energy": np.ascontiguousarray(kept[:, 3], dtype=np.float32),
+            "segment": segment if keep is None else segment[keep],
         }
 
     def __repr__(self) -> str:

@@ -135,7 +135,7 @@ def validate_data(dataset: dict, num_classes: int | None = None, ignore_index: i
     event selection). Labels must be classes or `ignore_index` (task.ignore_index). Raises
     DataError or ConfigError saying what is wrong. Leaves no file open."""
     if dataset.get("type") == "PILArNetDataset":
-        selection = ("split", "revision", "label", "min_points", "energy_threshold")
+        selection = ("split", "revision", "label", "min_points", "energy_threshold", "remove_low_energy_scatters")
         if dataset.get("pid_unlabelled_as_none") and dataset.get("label") == "pid":
             ignore_index = -1  # the reader turns the file's -1 into class "none": nothing is left unlabelled
         info, _, _ = open_pilarnet(dataset["path"], num_classes=num_classes, ignore_index=ignore_index,

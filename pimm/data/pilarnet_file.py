@@ -5,7 +5,12 @@ one row per event in the variable-length datasets `point` (N*8 values per row: x
 energy, then 4 more columns) and `cluster` (K*5 values in revision v1: size, fragment, group,
 interaction, semantic; K*6 in v2/v3: size, cluster_id, group_id, interaction_id, semantic, pid),
 and in v2/v3 `cluster_extra` (not read). Points are stored cluster by cluster, so a point's labels
-are its cluster's, repeated `size` times. Label -1 means "ignore".
+are its cluster's, repeated `size` times. Label -1 means "ignore". The first cluster holds the event's
+low-energy scatters (semantic 4).
+
+The point cut (`kept_points`) is the published reader's: points with deposited energy at or below
+`energy_threshold` are dropped (0: none), and with `remove_low_energy_scatters` the first cluster
+when it is the low-energy-scatter cluster. `min_points` counts the points that survive the cut.
 
 The writer is `pimm.data.synth.write_pilarnet`, the torch reader `pimm.data.dataset.PILArNetDataset`;
 both import their constants from here. The launcher calls `open_pilarnet` (via
@@ -41,7 +46,7 @@ LABEL_NAMES = {"motif": MOTIF_NAMES, "pid": PID_NAMES}
 IGNORE_LABEL = -1
 DEFAULT_SPLIT, DEFAULT_REVISION, DEFAULT_LABEL = "train", "v2", "motif"
 INDEX_SUFFIX = ".pimm-index.npz"  # the cached event index beside each shard
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: per-cut kept-point counts; no total energy
 DATASET_NAMES = ("point", "cluster")  # required; cluster_extra is optional
 
 _FINGERPRINT_BYTES = 1 << 20  # a shard's identity: its size and sha256 of its first and last MiB
@@ -50,7 +55,8 @@ _SCAN_EVENTS = 256  # events per read while indexing: bounded memory, few HDF5 c
 _OPEN_KW = {"mode": "r", "locking": False}
 _H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError)
 _CACHE_ERRORS = (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile)
-_INDEX_KEYS = ("num_points", "energy", "label_min", "label_max", "label_counts")
+_INDEX_KEYS = ("num_points", "label_min", "label_max", "label_counts", "cut_keys", "cut_counts")
+NO_CUT = (0.0, False)  # (energy_threshold, remove_low_energy_scatters): every stored point kept
 _memory_index: dict[tuple, dict[str, np.ndarray]] = {}  # indexes that could not be written beside their file
 _warned_dirs: set[str] = set()
 log = logging.getLogger("pimm")
@@ -68,7 +74,8 @@ def _fail(path: Path, problem: str, todo: str | None = None) -> DataError:
 # ----------------------------------------------------------------------------- options and shards
 
 
-def check_options(revision: str, label: str, min_points: int, energy_threshold: float) -> None:
+def check_options(revision: str, label: str, min_points: int, energy_threshold: float,
+                  remove_low_energy_scatters: bool = False) -> None:
     """ConfigError for a selection option PILArNetDataset cannot use."""
     if revision not in REVISIONS:
         raise ConfigError(f"PILArNetDataset revision={revision!r} is unknown; use one of {', '.join(REVISIONS)}")
@@ -81,8 +88,11 @@ def check_options(revision: str, label: str, min_points: int, energy_threshold: 
         raise ConfigError(f"PILArNetDataset min_points must be an integer >= 0, got {min_points!r}")
     bad = isinstance(energy_threshold, bool) or not isinstance(energy_threshold, (int, float))
     if bad or not math.isfinite(energy_threshold) or energy_threshold < 0:
-        raise ConfigError(f"PILArNetDataset energy_threshold must be a finite number >= 0 (MeV), "
-                          f"got {energy_threshold!r}")
+        raise ConfigError(f"PILArNetDataset energy_threshold must be a finite number >= 0 (MeV; points at or "
+                          f"below it are dropped), got {energy_threshold!r}")
+    if not isinstance(remove_low_energy_scatters, (bool, np.bool_)):
+        raise ConfigError(f"PILArNetDataset remove_low_energy_scatters must be true or false, "
+                          f"got {remove_low_energy_scatters!r}")
 
 
 def find_shards(path: str | Path, split: str = DEFAULT_SPLIT) -> tuple[Path, list[Path]]:
@@ -129,6 +139,18 @@ def event_arrays(path: Path, row: int, point_row: np.ndarray, cluster_row: np.nd
     return points, clusters
 
 
+def kept_points(points: np.ndarray, clusters: np.ndarray, cut: tuple[float, bool]) -> np.ndarray | None:
+    """Which points of one event survive `cut` = (energy_threshold, remove_low_energy_scatters):
+    a bool mask (N,), or None when every point is kept. The index and the reader both use this."""
+    threshold, drop_scatters = cut
+    keep = points[:, 3] > threshold if threshold > 0 else None
+    if drop_scatters and len(clusters) and clusters[0, LABEL_COLUMNS["motif"]] == MOTIF_NAMES.index("low_energy"):
+        if keep is None:
+            keep = np.ones(len(points), bool)
+        keep[: clusters[0, SIZE_COLUMN]] = False
+    return keep
+
+
 def point_labels(clusters: np.ndarray, label: str) -> np.ndarray:
     """Per-point labels (N,) int64: each cluster's `label` column repeated over its points."""
     return np.repeat(clusters[:, LABEL_COLUMNS[label]], clusters[:, SIZE_COLUMN])
@@ -154,14 +176,14 @@ def _vlen_datasets(f: h5py.File, path: Path) -> tuple[h5py.Dataset, h5py.Dataset
     return point, cluster
 
 
-def _scan(path: Path, revision: str) -> dict[str, np.ndarray]:
-    """Read every event once: per-event point count, total energy, range of each label; per-file
-    point counts of each label value (-1, 0.., and 'out of range' last)."""
+def _scan(path: Path, revision: str, cuts: list[tuple[float, bool]]) -> dict[str, np.ndarray]:
+    """Read every event once: per-event point count, range of each label and points kept by each
+    of `cuts`; per-file point counts of each label value (-1, 0.., and 'out of range' last)."""
     bins = len(PID_NAMES) + 2
     with h5py.File(path, **_OPEN_KW) as f:
         point_ds, cluster_ds = _vlen_datasets(f, path)
         n = len(point_ds)
-        num_points, energy = np.zeros(n, np.int64), np.zeros(n, np.float64)
+        num_points, cut_counts = np.zeros(n, np.int64), np.zeros((len(cuts), n), np.int64)
         label_min = np.full((len(LABEL_COLUMNS), n), IGNORE_LABEL, np.int64)
         label_max = label_min.copy()
         counts = np.zeros((len(LABEL_COLUMNS), bins), np.int64)
@@ -171,7 +193,9 @@ def _scan(path: Path, revision: str) -> dict[str, np.ndarray]:
             for row, (point_row, cluster_row) in enumerate(block, start=lo):
                 points, clusters = event_arrays(path, row, point_row, cluster_row, revision)
                 num_points[row] = len(points)
-                energy[row] = points[:, 3].sum(dtype=np.float64)
+                for c, cut in enumerate(cuts):
+                    keep = kept_points(points, clusters, cut)
+                    cut_counts[c, row] = len(points) if keep is None else int(keep.sum())
                 sizes = clusters[:, SIZE_COLUMN]
                 for i, col in present:
                     values = clusters[:, col]
@@ -179,8 +203,8 @@ def _scan(path: Path, revision: str) -> dict[str, np.ndarray]:
                         label_min[i, row], label_max[i, row] = values.min(), values.max()
                     counts[i] += np.bincount(np.clip(values + 1, 0, bins - 1), weights=sizes,
                                              minlength=bins).astype(np.int64)
-    return {"num_points": num_points, "energy": energy, "label_min": label_min, "label_max": label_max,
-            "label_counts": counts}
+    return {"num_points": num_points, "label_min": label_min, "label_max": label_max, "label_counts": counts,
+            "cut_keys": np.array(cuts, np.float64).reshape(-1, 2), "cut_counts": cut_counts}
 
 
 def _fingerprint(path: Path, size: int) -> str:
@@ -198,48 +222,85 @@ def index_path(shard: Path) -> Path:
     return shard.with_name(shard.name + INDEX_SUFFIX)
 
 
-def shard_index(shard: Path, revision: str) -> dict[str, Any]:
-    """The event index of one shard: {num_points, energy, label_min, label_max, label_counts,
-    fingerprint}. Read from `<shard>.pimm-index.npz` when that matches the shard's size and
-    mtime; else built by reading the shard once and written there atomically (kept in memory,
-    with one warning, where the directory is read-only)."""
+def _count_kept(path: Path, revision: str, cut: tuple[float, bool]) -> np.ndarray:
+    """Points each event keeps under `cut`: one more pass over the shard, for a cut not yet indexed."""
+    with h5py.File(path, **_OPEN_KW) as f:
+        point_ds, cluster_ds = _vlen_datasets(f, path)
+        counts = np.zeros(len(point_ds), np.int64)
+        for lo in range(0, len(point_ds), _SCAN_EVENTS):
+            block = zip(point_ds[lo : lo + _SCAN_EVENTS], cluster_ds[lo : lo + _SCAN_EVENTS])
+            for row, (point_row, cluster_row) in enumerate(block, start=lo):
+                points, clusters = event_arrays(path, row, point_row, cluster_row, revision)
+                keep = kept_points(points, clusters, cut)
+                counts[row] = len(points) if keep is None else int(keep.sum())
+    return counts
+
+
+def _load_index(cache: Path, stamp: np.ndarray, revision: str) -> dict[str, Any] | None:
+    try:
+        with np.load(cache, allow_pickle=False) as z:
+            if np.array_equal(z["stamp"], stamp) and str(z["revision"]) == revision:
+                return {**{k: z[k] for k in _INDEX_KEYS}, "fingerprint": str(z["fingerprint"])}
+    except _CACHE_ERRORS:
+        pass  # none yet, or a corrupt, older or foreign one: build it
+    return None
+
+
+def _store_index(shard: Path, key: tuple, stamp: np.ndarray, revision: str, index: dict[str, Any]) -> None:
+    """Write the index beside its shard atomically; where that fails keep it in this process."""
+    cache = index_path(shard)
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            np.savez(fh, stamp=stamp, revision=np.array(revision), fingerprint=np.array(index["fingerprint"]),
+                     **{k: index[k] for k in _INDEX_KEYS})
+        os.replace(tmp, cache)  # readers see the old index or the whole new one, never a partial file
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        _memory_index[key] = index
+        if str(shard.parent) not in _warned_dirs:
+            _warned_dirs.add(str(shard.parent))
+            log.warning("pimm: cannot cache PILArNet event indexes in %s (%s); keeping them in memory, so every "
+                        "process indexes its shards again", shard.parent, exc)
+
+
+def shard_index(shard: Path, revision: str, cut: tuple[float, bool] = NO_CUT) -> dict[str, Any]:
+    """The event index of one shard: {num_points, num_kept (points each event keeps under `cut`),
+    label_min, label_max, label_counts, fingerprint, ...}. Read from `<shard>.pimm-index.npz` when
+    that matches the shard's size and mtime; else built by reading the shard once and written there
+    atomically (kept in memory, with one warning, where the directory is read-only). A cut the
+    cache has no counts for costs one more pass over the shard, then is cached too."""
     try:
         st = shard.stat()
     except OSError as exc:
         raise _fail(shard, f"cannot be read: {exc}") from exc
     stamp = np.array([INDEX_VERSION, st.st_size, st.st_mtime_ns], np.int64)
     key = (str(shard), revision, *stamp.tolist())
-    if key in _memory_index:
-        return _memory_index[key]
-    cache = index_path(shard)
+    cut = (float(cut[0]), bool(cut[1]))
+    index = _memory_index.get(key) or _load_index(index_path(shard), stamp, revision)
     try:
-        with np.load(cache, allow_pickle=False) as z:
-            if np.array_equal(z["stamp"], stamp) and str(z["revision"]) == revision:
-                return {**{k: z[k] for k in _INDEX_KEYS}, "fingerprint": str(z["fingerprint"])}
-    except _CACHE_ERRORS:
-        pass  # none yet, or a corrupt or foreign one: build it
-    try:
-        index = _scan(shard, revision)
-        fingerprint = _fingerprint(shard, st.st_size)
+        if index is None:
+            index = {**_scan(shard, revision, [cut]), "fingerprint": _fingerprint(shard, st.st_size)}
+        elif cut != NO_CUT and not any(tuple(k) == (cut[0], float(cut[1])) for k in index["cut_keys"].tolist()):
+            index = {**index, "cut_keys": np.concatenate([index["cut_keys"], [[cut[0], float(cut[1])]]]),
+                     "cut_counts": np.concatenate([index["cut_counts"], [_count_kept(shard, revision, cut)]])}
+        else:
+            return _with_kept(index, cut)
     except DataError:
         raise
     except _H5_ERRORS as exc:
         raise _fail(shard, f"unreadable ({type(exc).__name__}: {exc}); the file is truncated or corrupt") from exc
     if shard.stat().st_mtime_ns != st.st_mtime_ns:
         raise _fail(shard, "changed while it was being indexed", "wait until it is completely written")
-    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            np.savez(fh, stamp=stamp, revision=np.array(revision), fingerprint=np.array(fingerprint), **index)
-        os.replace(tmp, cache)  # readers see the old index or the whole new one, never a partial file
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        _memory_index[key] = {**index, "fingerprint": fingerprint}
-        if str(shard.parent) not in _warned_dirs:
-            _warned_dirs.add(str(shard.parent))
-            log.warning("pimm: cannot cache PILArNet event indexes in %s (%s); keeping them in memory, so every "
-                        "process indexes its shards again", shard.parent, exc)
-    return {**index, "fingerprint": fingerprint}
+    _store_index(shard, key, stamp, revision, index)
+    return _with_kept(index, cut)
+
+
+def _with_kept(index: dict[str, Any], cut: tuple[float, bool]) -> dict[str, Any]:
+    if cut == NO_CUT:
+        return {**index, "num_kept": index["num_points"]}
+    row = [tuple(k) for k in index["cut_keys"].tolist()].index((cut[0], float(cut[1])))
+    return {**index, "num_kept": index["cut_counts"][row]}
 
 
 # ----------------------------------------------------------------------------- a selection of events
@@ -254,23 +315,26 @@ def open_pilarnet(
     energy_threshold: float = 0.0,
     num_classes: int | None = None,
     ignore_index: int = IGNORE_LABEL,
+    remove_low_energy_scatters: bool = False,
 ) -> tuple[dict[str, Any], list[Path], list[np.ndarray]]:
     """Check PILArNet shards and select their events -> (info, shards, rows).
 
-    Events with fewer than `min_points` points or a total deposited energy below
-    `energy_threshold` (MeV) are left out; `rows[i]` holds the selected row numbers of
-    `shards[i]`. Labels of `label` must be in 0..classes-1 (`num_classes`, when given, else the
+    Events with fewer than `min_points` points left after the point cut (`kept_points`: energy
+    at or below `energy_threshold` MeV, and the low-energy scatters with
+    `remove_low_energy_scatters`) or with none left are out; `rows[i]` holds the selected row
+    numbers of `shards[i]`. Labels of `label` must be in 0..classes-1 (`num_classes`, when given, else the
     label's own class count) or -1, the format's "no label", which `ignore_index` must then be.
     `info` is {path, size_bytes, num_events, content_hash, layout, revision, label, split, shards,
-    events_in_files, min_points, energy_threshold};
+    events_in_files, min_points, energy_threshold, remove_low_energy_scatters};
     its content_hash covers every shard and the selection. Raises ConfigError or DataError."""
-    check_options(revision, label, min_points, energy_threshold)
+    check_options(revision, label, min_points, energy_threshold, remove_low_energy_scatters)
+    cut = (float(energy_threshold), bool(remove_low_energy_scatters))
     root, shards = find_shards(path, split)
     limit = len(LABEL_NAMES[label]) if num_classes is None else int(num_classes)
     label_row = list(LABEL_COLUMNS).index(label)
     rows, identity, size_bytes, events_in_files = [], [], 0, 0
     for shard in shards:
-        index = shard_index(shard, revision)
+        index = shard_index(shard, revision, cut)
         lo, hi = index["label_min"][label_row], index["label_max"][label_row]
         unlabelled = np.flatnonzero(lo == IGNORE_LABEL)
         if ignore_index != IGNORE_LABEL and len(unlabelled):
@@ -289,7 +353,7 @@ def open_pilarnet(
             raise _fail(shard, f"event {e} has {label} label {value}, outside 0..{limit - 1} or -1 (ignore)"
                         f"{f' (data.num_classes={num_classes})' if num_classes is not None else ''}; "
                         f"{len(bad)} event(s) of this file are affected", todo)
-        keep = (index["num_points"] >= min_points) & (index["energy"] >= energy_threshold)
+        keep = (index["num_kept"] >= max(min_points, 1))
         rows.append(np.flatnonzero(keep))
         size = shard.stat().st_size
         size_bytes += size
@@ -298,10 +362,13 @@ def open_pilarnet(
         identity.append([name, size, index["fingerprint"]])
     num_events = int(sum(len(r) for r in rows))
     if num_events == 0:
-        raise _fail(root, f"no event of {events_in_files} in {len(shards)} shard(s) has >= {min_points} points and "
-                    f">= {energy_threshold} MeV", "lower data.<split>.min_points or energy_threshold")
+        cut_text = f" above {energy_threshold} MeV" if energy_threshold > 0 else ""
+        cut_text += " outside the low-energy scatters" if remove_low_energy_scatters else ""
+        raise _fail(root, f"no event of {events_in_files} in {len(shards)} shard(s) has >= {max(min_points, 1)} "
+                    f"points{cut_text}", "lower data.<split>.min_points or energy_threshold")
     selection = {"layout": LAYOUT, "revision": revision, "shards": identity, "min_points": int(min_points),
-                 "energy_threshold": float(energy_threshold)}
+                 "energy_threshold": float(energy_threshold), "point_cut": "energy > threshold (index v2)",
+                 "remove_low_energy_scatters": bool(remove_low_energy_scatters)}
     info = {
         "path": str(root),
         "size_bytes": size_bytes,
@@ -315,6 +382,7 @@ def open_pilarnet(
         "events_in_files": events_in_files,
         "min_points": int(min_points),
         "energy_threshold": float(energy_threshold),
+        "remove_low_energy_scatters": bool(remove_low_energy_scatters),
     }
     return info, shards, rows
 

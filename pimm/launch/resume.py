@@ -141,7 +141,8 @@ def _train_events(cfg: dict) -> int:
 def _check_schedule_length(saved: SavedRun, cfg: dict, changes: dict, restart_hint: str) -> None:
     length_inputs = [k for k in changes if k in ("epochs", "batch_size", "data.train.path", "data.train.max_len",
                                                  "data.train.split", "data.train.min_points",
-                                                 "data.train.energy_threshold")]
+                                                 "data.train.energy_threshold",
+                                                 "data.train.remove_low_energy_scatters")]
     scheduler = cfg.get("scheduler")
     if not length_inputs or not scheduler:
         return
