@@ -27,6 +27,8 @@ eval_every_epochs = 1
 log_event_ids = False  # write the event ids of every step to logs/event_ids_rank*.jsonl
 validate_only = False  # True: evaluate the --train.weight weights once; no training, no checkpoint
 tensorboard = dict(enabled=False)  # True: rank 0 also writes the metrics records as scalars to RUN_DIR/tensorboard/
+# True: rank 0 also logs them to Weights & Biases, offline, in RUN_DIR/wandb/ (upload later: wandb sync)
+wandb = dict(enabled=False, mode="offline", project="pimm", entity=None, group=None, tags=None, system_metrics=True)
 
 # what is learned: per-point classes. ignore_index: the label that counts in neither loss nor metrics
 # (PILArNet's -1); class_weights: one loss weight per class (None: equal); best_metric picks model_best.pth

@@ -149,6 +149,15 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
     ("validate_only", OPTIONAL, BOOL),
     ("tensorboard", OPTIONAL, optional(DICT, "off")),
     ("tensorboard.enabled", OPTIONAL, BOOL),
+    ("wandb", OPTIONAL, optional(DICT, "off")),
+    ("wandb.enabled", OPTIONAL, BOOL),
+    ("wandb.mode", OPTIONAL, one_of(("offline",))),
+    ("wandb.project", OPTIONAL, Rule("a W&B project name", lambda v: isinstance(v, str) and v.strip() != "")),
+    ("wandb.entity", OPTIONAL, optional(Rule("a W&B entity (user or team)", lambda v: isinstance(v, str)), "yours")),
+    ("wandb.group", OPTIONAL, optional(Rule("a W&B group name", lambda v: isinstance(v, str)), "none")),
+    ("wandb.tags", OPTIONAL, optional(Rule("a list of strings", lambda v: isinstance(v, (list, tuple))
+                                                 and all(isinstance(t, str) for t in v)), "none")),
+    ("wandb.system_metrics", OPTIONAL, BOOL),
     ("debug", OPTIONAL, optional(DICT, "no fault injection")),
     *((f"debug.{key}", OPTIONAL, optional(integer(1), "off"))
       for key in ("nonfinite_loss_at_step", "interrupt_at_step", "kill_during_checkpoint_at_step")),
@@ -233,6 +242,11 @@ def check_config(cfg: dict) -> None:
         raise ConfigError(
             "tensorboard.enabled=true but the tensorboard package is not installed in this environment "
             f"({sys.executable}): pip install tensorboard==2.21.0, or set tensorboard.enabled=false"
+        )
+    if isinstance(cfg.get("wandb"), dict) and cfg["wandb"].get("enabled") and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "wandb.enabled=true but the wandb package is not installed in this environment "
+            f"({sys.executable}): pip install wandb==0.31.0 (or pip install 'pimm[wandb]'), or set wandb.enabled=false"
         )
 
 

@@ -31,10 +31,10 @@ from pimm.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from pimm.distributed.batch import plan_batches
 from pimm.distributed.env import DistEnv, all_gather_objects, all_reduce_max, all_reduce_sum, barrier
 from pimm.distributed.strategy import build_strategy
-from pimm.engine.logs import MetricsWriter, TensorBoardScalars
+from pimm.engine.logs import MetricsWriter, TensorBoardScalars, WandbScalars
 from pimm.engine.optim import build_optimizer, build_scheduler
 from pimm.engine.plot import plot_metrics
-from pimm.errors import ConfigError, TrainingError
+from pimm.errors import EXIT_CHECKPOINTED, EXIT_FAILED, ConfigError, TrainingError
 from pimm.models import build_model
 from pimm.provenance import Provenance
 from pimm.signals import StopRequest, ignore_further_stop_signals, ignore_stop_signals, loader_workers_forked
@@ -100,11 +100,8 @@ class Trainer:
         if amp.get("enabled") and not self.autocast:
             log.info("amp: autocast is CUDA-only; training in float32 on %s", env.device.type)
         self.clip_grad = cfg.get("clip_grad")
-        tensorboard = env.is_main and bool((cfg.get("tensorboard") or {}).get("enabled"))
-        self.metrics = MetricsWriter(
-            run_dir / "metrics.jsonl" if env.is_main else None,
-            TensorBoardScalars(run_dir / "tensorboard", cfg["data"].get("names")) if tensorboard else None,
-        )
+        self.metrics = MetricsWriter(run_dir / "metrics.jsonl" if env.is_main else None,
+                                     self._scalar_sinks(cfg, run_dir) if env.is_main else [])
         self.event_log = (
             open(run_dir / "logs" / f"event_ids_rank{env.rank}.jsonl", "a", encoding="utf-8")
             if cfg.get("log_event_ids")
@@ -152,6 +149,18 @@ class Trainer:
         np.random.seed(rank_seed % 2**32)
         random.seed(rank_seed)
 
+    @staticmethod
+    def _scalar_sinks(cfg: dict, run_dir: Path) -> list:
+        """Rank 0's optional scalar sinks for the metrics records: TensorBoard, W&B (offline)."""
+        names = cfg["data"].get("names")
+        sinks: list = []
+        if (cfg.get("tensorboard") or {}).get("enabled"):
+            sinks.append(TensorBoardScalars(run_dir / "tensorboard", names))
+        wandb = cfg.get("wandb") or {}
+        if wandb.get("enabled"):
+            sinks.append(WandbScalars(run_dir, wandb, cfg, names))
+        return sinks
+
     def describe(self) -> None:
         p = self.plan
         log.info(
@@ -191,17 +200,20 @@ class Trainer:
             final = self._validate_once() if self.validate_only else self._fit_loop()
         except Interrupted:
             self.provenance.end(f"interrupted by {self.stop.signal_name}", checkpoint_step=self.state.step)
+            self.metrics.close(EXIT_CHECKPOINTED)
             raise
         except TrainingError as exc:  # raised on every rank alike: let the write in flight finish
             self.checkpoints.wait()
             self.provenance.end("failed", error=str(exc)[:2000])
+            self.metrics.close(EXIT_FAILED)
             raise
         except BaseException as exc:
             self.provenance.end("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+            self.metrics.close(EXIT_FAILED)
             raise
         finally:
             self._stop_loader_workers()
-            self.metrics.close()  # the worker leaves with os._exit: end TensorBoard's writer thread first
+            self.metrics.close()  # the worker leaves with os._exit: end the sinks' threads first
         self.provenance.end("completed", final_step=self.state.step, final_val=final)
         return final
 
