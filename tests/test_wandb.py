@@ -153,6 +153,32 @@ def test_sigusr1_to_every_process_then_the_resumed_attempt_logs_the_rest(tmp_pat
     assert losses(run_dir) == losses(reference)  # W&B changed nothing of the training
 
 
+def test_sigterm_to_every_process_including_wandb_core_still_checkpoints(tmp_path, tiny_data):
+    """What `scancel` does to a Slurm step: SIGTERM to every process, wandb-core included, which exits
+    on it. The ranks still write their checkpoint and exit 75; W&B's loss is a warning, not a
+    traceback; the resumed attempt logs to a new W&B run and finishes."""
+    proc = start_launch(tmp_path, tiny_data, 2, "num_worker=4", "wandb.enabled=true", "wandb.system_metrics=false",
+                        "epochs=3", name="term")
+    run_dir = tmp_path / "tests" / "term"
+    try:
+        wait_for_run(proc, lambda: metrics_lines(run_dir) >= 3)
+        assert wait_until(lambda: len(processes_of(run_dir)) >= 8 and wandb_core_of(run_dir), timeout=30)
+        for pid in processes_of(run_dir) + wandb_core_of(run_dir):
+            os.kill(pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        kill_run(proc, run_dir)
+    assert proc.returncode == 75, err
+    assert "Traceback" not in err
+    manifest = json.loads((run_dir / "model/last/.complete").read_text())
+    assert attempts(run_dir)[-1]["outcome"] == "interrupted by SIGTERM"
+    assert attempts(run_dir)[-1]["checkpoint_step"] == manifest["step"] < 36
+    res, run_dir = launch(tmp_path, tiny_data, 2, "num_worker=4", "epochs=3", name="term", resume=True)
+    assert res.returncode == 0, res.stderr
+    first, second = attempts_logged(run_dir)
+    assert second["exit_code"] == 0 and min(second["rows"]) == manifest["step"] + 1 and max(second["rows"]) == 36
+
+
 def test_after_a_kill_the_resumed_attempt_logs_from_its_checkpoint(tmp_path, tiny_data):
     """Killed while writing the step-8 checkpoint (steps after 4 were logged, then redone from step 4):
     the killed attempt's W&B run never finished and holds what wandb-core had written; the resumed
