@@ -43,7 +43,7 @@ def test_zero_class_weight_leaves_the_class_out_of_the_loss_not_the_metrics() ->
     batch = {"coord": coord, "feat": feat, "offset": torch.tensor([4]), "segment": torch.tensor([1, 1, 0, -1])}
     logits = torch.tensor([[0.0, 3.0, 0.0], [3.0, 0.0, 0.0], [3.0, 0.0, 0.0], [0.0, 0.0, 3.0]])
 
-    out = task.forward_loss(lambda c, f, o: logits, batch)
+    out = task.forward_loss(lambda c, f, o, event_id=None: logits, batch)
     assert torch.allclose(out.loss, F.cross_entropy(logits[2:3], torch.tensor([0])))
     meter = task.make_meter(torch.device("cpu"))
     meter.update(out, batch)

@@ -90,6 +90,9 @@ class Trainer:
         self.task = build_task(cfg)
         self.strategy = build_strategy(cfg, env)
         self.module = self.strategy.wrap(self.model, env)
+        # modules whose training randomness is keyed by the optimizer step (PointTransformer)
+        self._step_listeners = [m.begin_optimizer_step for m in self.model.modules()
+                                if hasattr(m, "begin_optimizer_step")]
         self.optimizer = build_optimizer(cfg["optimizer"], self.module.parameters())
         self.scheduler = build_scheduler(cfg.get("scheduler"), self.optimizer, schedule_steps)
         self._seed_rank_streams()
@@ -431,6 +434,8 @@ class Trainer:
         accum = self.plan.grad_accum_steps
         step_loss = torch.zeros((), device=device)
         self.optimizer.zero_grad(set_to_none=True)
+        for announce in self._step_listeners:  # every micro-batch of the step draws the step's randomness
+            announce(self.state.step + 1)
         for i, micro in enumerate(split_events(batch, accum)):
             # gradients are reduced across ranks once per step: in the last micro-step's backward
             with self.strategy.no_gradient_sync(self.module) if i < accum - 1 else contextlib.nullcontext():

@@ -77,8 +77,10 @@ class PointSegNet(nn.Module):
         self.blocks = nn.ModuleList(Block(channels, expansion) for _ in self.grid_sizes)
         self.head = nn.Sequential(nn.LayerNorm(channels), nn.Linear(channels, num_classes))
 
-    def forward(self, coord: torch.Tensor, feat: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        """coord (N,3), feat (N,C_in), offset (B,) cumulative counts -> logits (N, num_classes)."""
+    def forward(self, coord: torch.Tensor, feat: torch.Tensor, offset: torch.Tensor,
+                event_id: torch.Tensor | None = None) -> torch.Tensor:
+        """coord (N,3), feat (N,C_in), offset (B,) cumulative counts -> logits (N, num_classes).
+        `event_id` (the models' common signature) is not used: PointSegNet draws no randomness."""
         batch_index = offset_to_batch_index(offset, len(coord))
         clusters = {g: voxel_clusters(coord, batch_index, g) for g in set(self.grid_sizes)}
         x = self.stem(feat)

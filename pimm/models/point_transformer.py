@@ -40,6 +40,32 @@ def pack_keys(batch: torch.Tensor, grid: torch.Tensor, depth: int) -> torch.Tens
     return (batch << 3 * depth) | (grid[:, 0] << 2 * depth) | (grid[:, 1] << depth) | grid[:, 2]
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """An avalanche mix of 32-bit values (int64 tensors or ints in [0, 2^32)): no product overflows int64."""
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
+def step_key(seed: int, step: int) -> int:
+    """A 32-bit key of (seed, optimizer step)."""
+    return int(_mix32((_mix32(seed & _MASK32) + step * 0x9E3779B9) & _MASK32))
+
+
+def event_keys(event_id: torch.Tensor, key: int) -> torch.Tensor:
+    """(B,) 32-bit keys of (step key, event id): what an event's random draws in a step depend on,
+    so they are the same at any world size, micro-batch split or position in the batch."""
+    return _mix32((event_id.long() * 0x9E3779B1 + key) & _MASK32)
+
+
+def event_uniforms(keys: torch.Tensor, stream: int) -> torch.Tensor:
+    """(B,) float64 uniforms in [0, 1), one per event key, independent across `stream`s."""
+    return _mix32((keys + _mix32(stream + 1)) & _MASK32).double() / 2.0**32
+
+
 @dataclass
 class PatchLayout:
     """Where one level's voxels go in the padded, patch-aligned sequence of one order.
@@ -63,8 +89,10 @@ class Level:
     `children` counts those elements per voxel.
     """
 
-    def __init__(self, batch: torch.Tensor, grid: torch.Tensor, depth: int, num_events: int) -> None:
+    def __init__(self, batch: torch.Tensor, grid: torch.Tensor, depth: int, num_events: int,
+                 event_keys: torch.Tensor | None = None) -> None:
         check_depth(depth, num_events)
+        self.event_keys = event_keys  # (num_events,) keys of the training step's random draws, or None
         # unique sorts, and gives the parent of every finer element (a host sync: its size is data-dependent)
         self.keys, self.parent, self.children = torch.unique(pack_keys(batch, grid, depth), return_inverse=True,
                                                              return_counts=True)
@@ -82,7 +110,7 @@ class Level:
 
     def coarser(self) -> Level:
         """The level of twice the voxel edge (parents of this level's voxels)."""
-        return Level(self.batch, self.grid >> 1, max(self.depth - 1, 1), self.num_events)
+        return Level(self.batch, self.grid >> 1, max(self.depth - 1, 1), self.num_events, self.event_keys)
 
     def neighbours(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Occupied 3x3x3 neighbourhoods, the centre cell left out, as edges (centre voxel, neighbour
@@ -185,16 +213,24 @@ class SerializedAttention(nn.Module):
 
 class DropPath(nn.Module):
     """Drops a residual branch for whole events (stochastic depth) in training; identity in eval.
-    Its draws come from each rank's own torch RNG, like dropout's."""
 
-    def __init__(self, p: float) -> None:
+    With the level's event keys (the trainer's steps), an event's draw depends on (seed, step,
+    event id, `stream`) only: 1 and N ranks, and any gradient accumulation, drop the same branches
+    of the same events. Without them (a forward outside pimm's trainer) it draws from torch's RNG."""
+
+    def __init__(self, p: float, stream: int = 0) -> None:
         super().__init__()
         self.p = float(p)
+        self.stream = int(stream)  # unique per DropPath of the model
 
     def forward(self, x: torch.Tensor, level: Level) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        keep = (torch.rand(level.num_events, device=x.device) >= self.p).to(x.dtype) / (1.0 - self.p)
+        if level.event_keys is None:
+            uniforms = torch.rand(level.num_events, device=x.device)
+        else:
+            uniforms = event_uniforms(level.event_keys, self.stream)
+        keep = (uniforms >= self.p).to(x.dtype) / (1.0 - self.p)
         return x * keep[level.batch].unsqueeze(1)
 
 
@@ -203,7 +239,7 @@ class TransformerBlock(nn.Module):
     along one curve, then x + MLP(LN(x)). The unit that FSDP2 shards (parallel.wrap_classes)."""
 
     def __init__(self, channels: int, num_heads: int, patch_size: int, mlp_ratio: float = 4.0,
-                 drop_path: float = 0.0) -> None:
+                 drop_path: float = 0.0, index: int = 0) -> None:
         super().__init__()
         hidden = int(channels * mlp_ratio)
         self.cpe = PositionalEncoding(channels)
@@ -211,12 +247,14 @@ class TransformerBlock(nn.Module):
         self.attn = SerializedAttention(channels, num_heads, patch_size)
         self.norm2 = nn.LayerNorm(channels)
         self.mlp = nn.Sequential(nn.Linear(channels, hidden), nn.GELU(), nn.Linear(hidden, channels))
-        self.drop_path = DropPath(drop_path)
+        # `index`: the block's place in the model, so that every branch draws its own stream
+        self.drop_attn = DropPath(drop_path, stream=2 * index)
+        self.drop_mlp = DropPath(drop_path, stream=2 * index + 1)
 
     def forward(self, x: torch.Tensor, level: Level, order: str) -> torch.Tensor:
         x = x + self.cpe(x, level)
-        x = x + self.drop_path(self.attn(self.norm1(x), level.patches(order, self.attn.patch_size)), level)
-        return x + self.drop_path(self.mlp(self.norm2(x)), level)
+        x = x + self.drop_attn(self.attn(self.norm1(x), level.patches(order, self.attn.patch_size)), level)
+        return x + self.drop_mlp(self.mlp(self.norm2(x)), level)
 
 
 class GridPooling(nn.Module):
@@ -251,10 +289,11 @@ class Stage(nn.Module):
     """Blocks of one level; block i attends along curve orders[i % len(orders)]."""
 
     def __init__(self, depth: int, channels: int, num_heads: int, patch_size: int, mlp_ratio: float,
-                 drop_paths: list[float]) -> None:
+                 drop_paths: list[float], first_index: int = 0) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
-            TransformerBlock(channels, num_heads, patch_size, mlp_ratio, drop_paths[i]) for i in range(depth)
+            TransformerBlock(channels, num_heads, patch_size, mlp_ratio, drop_paths[i], first_index + i)
+            for i in range(depth)
         )
 
     def forward(self, x: torch.Tensor, level: Level, orders: list[str]) -> torch.Tensor:
@@ -263,22 +302,19 @@ class Stage(nn.Module):
         return x
 
 
-def _reload_shuffle_count(module: PointTransformer, incompatible_keys) -> None:
-    module.training_forwards = int(module.shuffle_count)
-
-
 class PointTransformer(nn.Module):
     """Per-point classifier: grid sampling, an encoder of len(enc_depths) stages joined by stride-2
     grid pooling, a decoder of len(enc_depths) - 1 stages (dec_* listed from the finest level up,
     as in PTv3), the finest voxels' features gathered back to the points, LayerNorm + Linear head.
 
     `orders` are the curves the blocks of a stage cycle through; with `shuffle_orders` each training
-    forward permutes them. The permutation comes from a generator seeded by the torch seed at
-    construction plus the count of training forwards, not from the global RNG: the trainer reseeds
-    that per rank, and ranks attending along different curves would each compute the gradient of a
-    different function. The same seed and count give the same curves on every rank and at every world
-    size. The count is a buffer, so it is checkpointed with the weights and a resumed run draws the
-    curves the uninterrupted run would have (with gradient accumulation it counts micro-batches).
+    step permutes them. Training randomness (that permutation and drop path) is keyed by the torch
+    seed at construction and the optimizer step, which pimm's trainer announces through
+    `begin_optimizer_step`, and drop path also by each event's id: never by the global RNG, which the
+    trainer reseeds per rank (ranks attending along different curves would each compute the gradient
+    of a different function). So every rank, any world size, any gradient accumulation and a resumed
+    run draw the same curves and drop the same branches of the same events. Outside the trainer (no
+    step announced) each training forward counts as a step and drop path uses torch's RNG.
     """
 
     def __init__(
@@ -306,60 +342,73 @@ class PointTransformer(nn.Module):
         self.orders = list(orders)
         self.shuffle_orders = bool(shuffle_orders)
         self.shuffle_seed = torch.initial_seed()  # the same on every rank: the trainer seeds before building
-        # the count of training forwards: a python int for the hot path (no device read), mirrored in a
-        # buffer so that it travels with the state dict; loading one sets the int again
-        self.training_forwards = 0
-        self.register_buffer("shuffle_count", torch.zeros((), dtype=torch.int64))
-        self.register_load_state_dict_post_hook(_reload_shuffle_count)
+        self.step: int | None = None  # the optimizer step being trained (begin_optimizer_step)
+        self.training_forwards = 0  # the step's stand-in when no trainer announces steps
         # stochastic depth grows linearly over all blocks, encoder then decoder (python: buildable on meta)
         blocks = sum(enc_depths) + sum(dec_depths)
         rates = iter([float(drop_path) * i / max(blocks - 1, 1) for i in range(blocks)])
+        firsts = itertools.accumulate([0, *enc_depths[:-1]])
 
         self.stem = nn.Sequential(nn.Linear(in_channels + 3, enc_channels[0]), nn.LayerNorm(enc_channels[0]),
                                   nn.GELU())
         self.pools = nn.ModuleList(GridPooling(enc_channels[s - 1], enc_channels[s]) for s in range(1, stages))
         self.encoder = nn.ModuleList(
             Stage(enc_depths[s], enc_channels[s], enc_num_head[s], enc_patch_size[s], mlp_ratio,
-                  [next(rates) for _ in range(enc_depths[s])])
-            for s in range(stages))
+                  [next(rates) for _ in range(enc_depths[s])], first)
+            for s, first in zip(range(stages), firsts))
+        first = sum(enc_depths)
         self.unpools = nn.ModuleList()
         self.decoder = nn.ModuleList()
         coarse_channels = enc_channels[-1]
         for s in reversed(range(stages - 1)):  # from the coarsest decoder stage to the finest
             self.unpools.append(GridUnpooling(coarse_channels, enc_channels[s], dec_channels[s]))
             self.decoder.append(Stage(dec_depths[s], dec_channels[s], dec_num_head[s], dec_patch_size[s], mlp_ratio,
-                                      [next(rates) for _ in range(dec_depths[s])]))
+                                      [next(rates) for _ in range(dec_depths[s])], first))
+            first += dec_depths[s]
             coarse_channels = dec_channels[s]
         self.point_skip = nn.Linear(enc_channels[0], coarse_channels)
         self.head = nn.Sequential(nn.LayerNorm(coarse_channels), nn.Linear(coarse_channels, num_classes))
 
-    def _block_orders(self) -> list[str]:
-        if not (self.training and self.shuffle_orders):
+    def begin_optimizer_step(self, step: int) -> None:
+        """The trainer announces each optimizer step (1, 2, ...) before its micro-batches."""
+        self.step = int(step)
+
+    def _training_step_key(self) -> int:
+        if self.step is None:
+            self.training_forwards += 1
+            return step_key(self.shuffle_seed, self.training_forwards)
+        return step_key(self.shuffle_seed, self.step)
+
+    def _block_orders(self, key: int | None) -> list[str]:
+        if key is None or not self.shuffle_orders:
             return self.orders
-        generator = torch.Generator().manual_seed((self.shuffle_seed + self.training_forwards) % 2**63)
-        self.training_forwards += 1
-        self.shuffle_count.fill_(self.training_forwards)
+        generator = torch.Generator().manual_seed(key)
         return [self.orders[i] for i in torch.randperm(len(self.orders), generator=generator).tolist()]
 
-    def levels(self, scaled: torch.Tensor, batch_index: torch.Tensor, num_events: int) -> list[Level]:
+    def levels(self, scaled: torch.Tensor, batch_index: torch.Tensor, num_events: int,
+               keys: torch.Tensor | None = None) -> list[Level]:
         """Level 0 (the voxels of the points at `scaled` = coordinates in grid_size units from each
         event's minimum corner) and each coarser level, one per encoder stage."""
         grid = scaled.floor().long()
         depth = bit_depth(int(grid.max()) if len(grid) else 0)  # a host sync, once per forward
-        levels = [Level(batch_index, grid, depth, num_events)]
+        levels = [Level(batch_index, grid, depth, num_events, keys)]
         for _ in range(len(self.encoder) - 1):
             levels.append(levels[-1].coarser())
         return levels
 
-    def forward(self, coord: torch.Tensor, feat: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        """coord (N,3), feat (N,C_in), offset (B,) cumulative counts -> logits (N, num_classes)."""
+    def forward(self, coord: torch.Tensor, feat: torch.Tensor, offset: torch.Tensor,
+                event_id: torch.Tensor | None = None) -> torch.Tensor:
+        """coord (N,3), feat (N,C_in), offset (B,) cumulative counts, event_id (B,) the events' ids in
+        the data set (keys drop path's draws; optional) -> logits (N, num_classes)."""
+        key = self._training_step_key() if self.training else None
+        keys = event_keys(event_id.to(coord.device), key) if key is not None and event_id is not None else None
         batch_index = offset_to_batch_index(offset, len(coord))
         num_events = len(offset)
         corner = coord.new_full((num_events, 3), torch.inf)
         corner = corner.scatter_reduce_(0, batch_index.unsqueeze(1).expand_as(coord), coord, "amin")
         scaled = (coord - corner[batch_index]) / self.grid_size  # the same for an event alone or in a batch
-        levels = self.levels(scaled, batch_index, num_events)
-        orders = self._block_orders()
+        levels = self.levels(scaled, batch_index, num_events, keys)
+        orders = self._block_orders(key)
         # each point's place within its voxel: what grid sampling alone would throw away
         within = scaled - scaled.floor() - 0.5
         points = self.stem(torch.cat([feat, within.to(feat.dtype)], dim=1))

@@ -52,7 +52,7 @@ class SemanticSegmentation(Task):
         self.higher_is_better = SEGMENTATION_METRICS[best_metric]
 
     def forward_loss(self, module: nn.Module, batch: dict) -> TaskOutput:
-        logits = module(batch["coord"], batch["feat"], batch["offset"])
+        logits = module(batch["coord"], batch["feat"], batch["offset"], event_id=batch.get("event_id"))
         loss, event_losses = event_mean_loss(logits, batch["segment"], batch["offset"],
                                              self.class_weights, self.ignore_index)
         return TaskOutput(loss, event_losses, logits)
