@@ -151,6 +151,11 @@ def kept_points(points: np.ndarray, clusters: np.ndarray, cut: tuple[float, bool
     return keep
 
 
+def _kept_count(points: np.ndarray, clusters: np.ndarray, cut: tuple[float, bool]) -> int:
+    keep = kept_points(points, clusters, cut)
+    return len(points) if keep is None else int(keep.sum())
+
+
 def point_labels(clusters: np.ndarray, label: str) -> np.ndarray:
     """Per-point labels (N,) int64: each cluster's `label` column repeated over its points."""
     return np.repeat(clusters[:, LABEL_COLUMNS[label]], clusters[:, SIZE_COLUMN])
@@ -176,6 +181,15 @@ def _vlen_datasets(f: h5py.File, path: Path) -> tuple[h5py.Dataset, h5py.Dataset
     return point, cluster
 
 
+def _stored_events(path: Path, point_ds: h5py.Dataset, cluster_ds: h5py.Dataset, revision: str):
+    """(row, points (N, 8), clusters (K, 5|6)) of every event of an open shard, checked, read in
+    blocks of _SCAN_EVENTS rows: bounded memory, few HDF5 calls."""
+    for lo in range(0, len(point_ds), _SCAN_EVENTS):
+        block = zip(point_ds[lo : lo + _SCAN_EVENTS], cluster_ds[lo : lo + _SCAN_EVENTS])
+        for row, (point_row, cluster_row) in enumerate(block, start=lo):
+            yield (row, *event_arrays(path, row, point_row, cluster_row, revision))
+
+
 def _scan(path: Path, revision: str, cuts: list[tuple[float, bool]]) -> dict[str, np.ndarray]:
     """Read every event once: per-event point count, range of each label and points kept by each
     of `cuts`; per-file point counts of each label value (-1, 0.., and 'out of range' last)."""
@@ -188,21 +202,17 @@ def _scan(path: Path, revision: str, cuts: list[tuple[float, bool]]) -> dict[str
         label_max = label_min.copy()
         counts = np.zeros((len(LABEL_COLUMNS), bins), np.int64)
         present = [(i, col) for i, col in enumerate(LABEL_COLUMNS.values()) if col < CLUSTER_COLUMNS[revision]]
-        for lo in range(0, n, _SCAN_EVENTS):
-            block = zip(point_ds[lo : lo + _SCAN_EVENTS], cluster_ds[lo : lo + _SCAN_EVENTS])
-            for row, (point_row, cluster_row) in enumerate(block, start=lo):
-                points, clusters = event_arrays(path, row, point_row, cluster_row, revision)
-                num_points[row] = len(points)
-                for c, cut in enumerate(cuts):
-                    keep = kept_points(points, clusters, cut)
-                    cut_counts[c, row] = len(points) if keep is None else int(keep.sum())
-                sizes = clusters[:, SIZE_COLUMN]
-                for i, col in present:
-                    values = clusters[:, col]
-                    if len(values):
-                        label_min[i, row], label_max[i, row] = values.min(), values.max()
-                    counts[i] += np.bincount(np.clip(values + 1, 0, bins - 1), weights=sizes,
-                                             minlength=bins).astype(np.int64)
+        for row, points, clusters in _stored_events(path, point_ds, cluster_ds, revision):
+            num_points[row] = len(points)
+            for c, cut in enumerate(cuts):
+                cut_counts[c, row] = _kept_count(points, clusters, cut)
+            sizes = clusters[:, SIZE_COLUMN]
+            for i, col in present:
+                values = clusters[:, col]
+                if len(values):
+                    label_min[i, row], label_max[i, row] = values.min(), values.max()
+                counts[i] += np.bincount(np.clip(values + 1, 0, bins - 1), weights=sizes,
+                                         minlength=bins).astype(np.int64)
     return {"num_points": num_points, "label_min": label_min, "label_max": label_max, "label_counts": counts,
             "cut_keys": np.array(cuts, np.float64).reshape(-1, 2), "cut_counts": cut_counts}
 
@@ -227,12 +237,8 @@ def _count_kept(path: Path, revision: str, cut: tuple[float, bool]) -> np.ndarra
     with h5py.File(path, **_OPEN_KW) as f:
         point_ds, cluster_ds = _vlen_datasets(f, path)
         counts = np.zeros(len(point_ds), np.int64)
-        for lo in range(0, len(point_ds), _SCAN_EVENTS):
-            block = zip(point_ds[lo : lo + _SCAN_EVENTS], cluster_ds[lo : lo + _SCAN_EVENTS])
-            for row, (point_row, cluster_row) in enumerate(block, start=lo):
-                points, clusters = event_arrays(path, row, point_row, cluster_row, revision)
-                keep = kept_points(points, clusters, cut)
-                counts[row] = len(points) if keep is None else int(keep.sum())
+        for row, points, clusters in _stored_events(path, point_ds, cluster_ds, revision):
+            counts[row] = _kept_count(points, clusters, cut)
     return counts
 
 
