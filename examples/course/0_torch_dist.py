@@ -13,17 +13,17 @@ import os
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from course_common import end_distributed, free_port
+from course_common import end_distributed, free_port, say
 
 
 def worker(rank: int, world_size: int) -> None:
     # MASTER_ADDR and MASTER_PORT (set below) tell every rank where rank 0 waits for the others.
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     tensor = torch.tensor([float(rank)])
-    print(f"rank {rank}/{world_size}: before all_reduce: {tensor.item():.0f}", flush=True)
+    say(f"rank {rank}/{world_size}: before all_reduce: {tensor.item():.0f}")
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)  # every rank ends with the sum
     expected = world_size * (world_size - 1) / 2
-    print(f"rank {rank}/{world_size}: after all_reduce: {tensor.item():.0f} (expected {expected:.0f})", flush=True)
+    say(f"rank {rank}/{world_size}: after all_reduce: {tensor.item():.0f} (expected {expected:.0f})")
     assert tensor.item() == expected
     end_distributed()  # destroy_process_group, then exit (see course_common)
 

@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from course_common import end_distributed, free_port
+from course_common import end_distributed, free_port, say
 
 
 def worker(rank: int, world_size: int) -> None:
@@ -22,8 +22,8 @@ def worker(rank: int, world_size: int) -> None:
     tensor = torch.full((4,), float(rank), device="cuda")  # lives in GPU memory
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     expected = world_size * (world_size - 1) / 2
-    print(f"rank {rank}/{world_size} on {torch.cuda.get_device_name(rank)}: after all_reduce: "
-          f"{tensor.tolist()} (expected {expected:.0f} everywhere)", flush=True)
+    say(f"rank {rank}/{world_size} on {torch.cuda.get_device_name(rank)}: after all_reduce: "
+        f"{tensor.tolist()} (expected {expected:.0f} everywhere)")
     assert torch.all(tensor == expected).item()
     end_distributed()  # destroy_process_group, then exit (see course_common)
 

@@ -21,6 +21,7 @@ from course_common import (
     end_distributed,
     load_mnist,
     log,
+    say,
     spawn_on_this_machine,
     training_parser,
 )
@@ -45,7 +46,7 @@ def worker(rank: int, world_size: int, args) -> None:
             optimizer.step()  # no communication at all: each rank updates its own copy
             step, samples = step + 1, samples + len(labels)
             if step % args.log_every == 0:
-                print(f"rank {rank} step {step}: loss {loss.item():.4f}", flush=True)
+                say(f"rank {rank} step {step}: loss {loss.item():.4f}")
             if step == args.max_steps:
                 break
         if step == args.max_steps:
@@ -57,7 +58,7 @@ def worker(rank: int, world_size: int, args) -> None:
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(everyone, mine)
     max_diff = max((w - everyone[0]).abs().max().item() for w in everyone)
-    print(f"rank {rank}: {samples} samples in {step} steps, {elapsed:.2f} s, last loss {loss.item():.4f}", flush=True)
+    say(f"rank {rank}: {samples} samples in {step} steps, {elapsed:.2f} s, last loss {loss.item():.4f}")
     dist.barrier()
     log(f"all {world_size} models identical: {max_diff == 0.0} (largest weight difference {max_diff:.3g})", rank=rank)
     log(f"{world_size} processes processed {world_size * samples} samples for one model that saw {samples}: "

@@ -15,7 +15,7 @@ import socket
 
 import torch
 import torch.distributed as dist
-from course_common import backend_for, device_for, end_distributed, log, torchrun_ranks
+from course_common import backend_for, device_for, end_distributed, log, say, torchrun_ranks
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     dist.init_process_group(backend_for(device))  # MASTER_ADDR/PORT, RANK, WORLD_SIZE come from torchrun
     node = int(os.environ.get("GROUP_RANK", 0))  # torchrun's name for the node's rank
     host = socket.gethostname()
-    print(f"rank {rank}/{world_size}: node {node}, local rank {local_rank}, host {host}, device {device}", flush=True)
+    say(f"rank {rank}/{world_size}: node {node}, local rank {local_rank}, host {host}, device {device}")
 
     tensor = torch.tensor([float(rank)], device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)

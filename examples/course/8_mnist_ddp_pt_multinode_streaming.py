@@ -31,6 +31,7 @@ from course_common import (
     end_distributed,
     finish,
     log,
+    say,
     scaled_lr,
     to_inputs,
     torchrun_ranks,
@@ -128,7 +129,7 @@ def main() -> None:
                     metrics.write(step=step, loss=loss.item(), lr=lr)
                 if step == args.max_steps:
                     break
-        print(f"rank {rank}: epoch {epoch}: {len(seen)} samples", flush=True)
+        say(f"rank {rank}: epoch {epoch}: {len(seen)} samples")
         if args.record_indices:
             args.record_indices.mkdir(parents=True, exist_ok=True)
             (args.record_indices / f"rank{rank}_epoch{epoch}.json").write_text(json.dumps(seen))

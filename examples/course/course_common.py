@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import struct
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,10 +31,17 @@ IDX_FILES = {
 }
 
 
+def say(*parts: object) -> None:
+    """Print one line from any rank in a single write, flushed at once: lines of processes that share
+    one pipe then never cut into each other (print writes the text and the newline separately)."""
+    sys.stdout.write(" ".join(str(p) for p in parts) + "\n")
+    sys.stdout.flush()
+
+
 def log(*parts: object, rank: int = 0) -> None:
-    """Print from rank 0 only, flushed at once (a distributed job's output is otherwise held in buffers)."""
+    """Print from rank 0 only (`say`), flushed at once (a distributed job's output is otherwise held in buffers)."""
     if rank == 0:
-        print(*parts, flush=True)
+        say(*parts)
 
 
 # -- flags ----------------------------------------------------------------------------------------------------
