@@ -287,7 +287,7 @@ def shard_index(shard: Path, revision: str, cut: tuple[float, bool] = NO_CUT) ->
     try:
         if index is None:
             index = {**_scan(shard, revision, [cut]), "fingerprint": _fingerprint(shard, st.st_size)}
-        elif cut != NO_CUT and not any(tuple(k) == (cut[0], float(cut[1])) for k in index["cut_keys"].tolist()):
+        elif cut != NO_CUT and _cut_row(index, cut) is None:
             index = {**index, "cut_keys": np.concatenate([index["cut_keys"], [[cut[0], float(cut[1])]]]),
                      "cut_counts": np.concatenate([index["cut_counts"], [_count_kept(shard, revision, cut)]])}
         else:
@@ -302,11 +302,15 @@ def shard_index(shard: Path, revision: str, cut: tuple[float, bool] = NO_CUT) ->
     return _with_kept(index, cut)
 
 
+def _cut_row(index: dict[str, Any], cut: tuple[float, bool]) -> int | None:
+    """The row of `cut` in the index's cut_keys (stored as floats), or None when not indexed yet."""
+    rows = [r for r, (threshold, drop) in enumerate(index["cut_keys"].tolist()) if (threshold, bool(drop)) == cut]
+    return rows[0] if rows else None
+
+
 def _with_kept(index: dict[str, Any], cut: tuple[float, bool]) -> dict[str, Any]:
-    if cut == NO_CUT:
-        return {**index, "num_kept": index["num_points"]}
-    row = [tuple(k) for k in index["cut_keys"].tolist()].index((cut[0], float(cut[1])))
-    return {**index, "num_kept": index["cut_counts"][row]}
+    kept = index["num_points"] if cut == NO_CUT else index["cut_counts"][_cut_row(index, cut)]
+    return {**index, "num_kept": kept}
 
 
 # ----------------------------------------------------------------------------- a selection of events

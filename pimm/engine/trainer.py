@@ -191,6 +191,7 @@ class Trainer:
         Raises Interrupted after a stop request once a complete checkpoint is on disk."""
         self.stop.install()
         self.provenance.start(**self._provenance_facts())
+        exit_code = EXIT_FAILED  # the attempt's, for the metric sinks (W&B records it)
         try:
             if self.validate_only and not weight:
                 raise ConfigError("validate_only=true evaluates given weights and trains nothing: pass "
@@ -201,22 +202,21 @@ class Trainer:
                 self._desync_rank1_parameters()
             self.describe()
             final = self._validate_once() if self.validate_only else self._fit_loop()
+            exit_code = 0
         except Interrupted:
             self.provenance.end(f"interrupted by {self.stop.signal_name}", checkpoint_step=self.state.step)
-            self.metrics.close(EXIT_CHECKPOINTED)
+            exit_code = EXIT_CHECKPOINTED
             raise
         except TrainingError as exc:  # raised on every rank alike: let the write in flight finish
             self.checkpoints.wait()
             self.provenance.end("failed", error=str(exc)[:2000])
-            self.metrics.close(EXIT_FAILED)
             raise
         except BaseException as exc:
             self.provenance.end("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
-            self.metrics.close(EXIT_FAILED)
             raise
         finally:
             self._stop_loader_workers()
-            self.metrics.close()  # the worker leaves with os._exit: end the sinks' threads first
+            self.metrics.close(exit_code)  # the worker leaves with os._exit: end the sinks' threads first
         self.provenance.end("completed", final_step=self.state.step, final_val=final)
         return final
 

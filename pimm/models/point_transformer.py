@@ -288,12 +288,12 @@ class GridUnpooling(nn.Module):
 class Stage(nn.Module):
     """Blocks of one level; block i attends along curve orders[i % len(orders)]."""
 
-    def __init__(self, depth: int, channels: int, num_heads: int, patch_size: int, mlp_ratio: float,
-                 drop_paths: list[float], first_index: int = 0) -> None:
+    def __init__(self, channels: int, num_heads: int, patch_size: int, mlp_ratio: float,
+                 drop_paths: list[tuple[int, float]]) -> None:
+        """`drop_paths`: (block index in the model, drop-path rate) of each block of the stage."""
         super().__init__()
         self.blocks = nn.ModuleList(
-            TransformerBlock(channels, num_heads, patch_size, mlp_ratio, drop_paths[i], first_index + i)
-            for i in range(depth)
+            TransformerBlock(channels, num_heads, patch_size, mlp_ratio, rate, index) for index, rate in drop_paths
         )
 
     def forward(self, x: torch.Tensor, level: Level, orders: list[str]) -> torch.Tensor:
@@ -346,25 +346,23 @@ class PointTransformer(nn.Module):
         self.training_forwards = 0  # the step's stand-in when no trainer announces steps
         # stochastic depth grows linearly over all blocks, encoder then decoder (python: buildable on meta)
         blocks = sum(enc_depths) + sum(dec_depths)
-        rates = iter([float(drop_path) * i / max(blocks - 1, 1) for i in range(blocks)])
-        firsts = itertools.accumulate([0, *enc_depths[:-1]])
+        # (block index, rate) in model order; the index also names each block's drop-path draws
+        schedule = iter(enumerate(float(drop_path) * i / max(blocks - 1, 1) for i in range(blocks)))
 
         self.stem = nn.Sequential(nn.Linear(in_channels + 3, enc_channels[0]), nn.LayerNorm(enc_channels[0]),
                                   nn.GELU())
         self.pools = nn.ModuleList(GridPooling(enc_channels[s - 1], enc_channels[s]) for s in range(1, stages))
         self.encoder = nn.ModuleList(
-            Stage(enc_depths[s], enc_channels[s], enc_num_head[s], enc_patch_size[s], mlp_ratio,
-                  [next(rates) for _ in range(enc_depths[s])], first)
-            for s, first in zip(range(stages), firsts))
-        first = sum(enc_depths)
+            Stage(enc_channels[s], enc_num_head[s], enc_patch_size[s], mlp_ratio,
+                  [next(schedule) for _ in range(enc_depths[s])])
+            for s in range(stages))
         self.unpools = nn.ModuleList()
         self.decoder = nn.ModuleList()
         coarse_channels = enc_channels[-1]
         for s in reversed(range(stages - 1)):  # from the coarsest decoder stage to the finest
             self.unpools.append(GridUnpooling(coarse_channels, enc_channels[s], dec_channels[s]))
-            self.decoder.append(Stage(dec_depths[s], dec_channels[s], dec_num_head[s], dec_patch_size[s], mlp_ratio,
-                                      [next(rates) for _ in range(dec_depths[s])], first))
-            first += dec_depths[s]
+            self.decoder.append(Stage(dec_channels[s], dec_num_head[s], dec_patch_size[s], mlp_ratio,
+                                      [next(schedule) for _ in range(dec_depths[s])]))
             coarse_channels = dec_channels[s]
         self.point_skip = nn.Linear(enc_channels[0], coarse_channels)
         self.head = nn.Sequential(nn.LayerNorm(coarse_channels), nn.Linear(coarse_channels, num_classes))
