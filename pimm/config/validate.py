@@ -76,6 +76,7 @@ _SPLIT = {  # data.<split>.<key>
                  lambda v: isinstance(v, str) and v.strip() != ""),
     "max_len": optional(integer(1), "all events"),
     "augment": BOOL,
+    "skip_nonfinite": BOOL,  # drop events with a non-finite coordinate, energy or feature (pimm.data)
     # PILArNetDataset only (pimm.data.pilarnet_file)
     "split": Rule("a split name such as 'train' (shards <path>/*<split>/*.h5)",
                   lambda v: isinstance(v, str) and v.strip() != ""),
