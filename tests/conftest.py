@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +17,25 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+SLURM_HOWTO = "start the local two-node cluster with `bash scripts/slurm_local.sh up`"
+
+
+def require_slurm_cluster() -> None:
+    """Skip the calling test when no Slurm cluster answers `sinfo`; fail instead when the run must
+    have one (PIMM_REQUIRE_SLURM=1, which .ci/run sets, or CI)."""
+    try:
+        ok = shutil.which("sinfo") is not None and subprocess.run(
+            ["sinfo", "-h"], capture_output=True, timeout=30, check=False).returncode == 0
+    except subprocess.TimeoutExpired:
+        ok = False
+    if ok:
+        return
+    if os.environ.get("PIMM_REQUIRE_SLURM") == "1" or os.environ.get("CI"):
+        pytest.fail(f"no Slurm cluster answers `sinfo`, and this test run requires one (PIMM_REQUIRE_SLURM=1 or CI "
+                    f"is set): {SLURM_HOWTO} before the tests", pytrace=False)
+    pytest.skip(f"needs a Slurm cluster: {SLURM_HOWTO}")
 
 
 @pytest.fixture

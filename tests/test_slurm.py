@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, attempts, losses, run_pimm, steps, weights
+from conftest import REPO, TINY, attempts, losses, require_slurm_cluster, run_pimm, steps, weights
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
@@ -28,13 +27,9 @@ CHAIN_RUN = ("epochs=4", "num_worker=4", "log_event_ids=true")
 
 @pytest.fixture(scope="module")
 def slurm():
-    """The local cluster must answer; in CI its absence is a failure, not a skip."""
-    ok = shutil.which("sinfo") and subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30,
-                                                   check=False).returncode == 0
-    if not ok:
-        if os.environ.get("CI"):
-            pytest.fail("no Slurm cluster answers `sinfo` in CI: .ci/run should have run scripts/slurm_local.sh up")
-        pytest.skip("no Slurm cluster: run `bash scripts/slurm_local.sh up`")
+    """The local cluster must answer: without one the test skips, or fails where one is required
+    (PIMM_REQUIRE_SLURM=1, set by .ci/run)."""
+    require_slurm_cluster()
 
 
 def data_args(tiny_data) -> list[str]:
@@ -276,9 +271,10 @@ def test_output_writes_the_script_and_prepares_the_run(tmp_path, tiny_data):
 
 def test_a_two_node_run_continues_on_one_machine_only_when_asked(uninterrupted):
     run_dir, _, _ = uninterrupted
-    res = run_pimm(["launch", "--train.resume", str(run_dir), "--dry-run"], cwd=run_dir.parents[2])
+    more = ["--", "epochs=5"]  # the run completed its 4 epochs: one more, so that there is something to continue
+    res = run_pimm(["launch", "--train.resume", str(run_dir), "--dry-run", *more], cwd=run_dir.parents[2])
     assert res.returncode == 2 and "was launched on 2 nodes" in res.stderr and "--resources.nnodes 1" in res.stderr
-    res = run_pimm(["launch", "--train.resume", str(run_dir), "--resources.nnodes", "1", "--dry-run"],
+    res = run_pimm(["launch", "--train.resume", str(run_dir), "--resources.nnodes", "1", "--dry-run", *more],
                    cwd=run_dir.parents[2])
     assert res.returncode == 0, res.stderr
     assert "world size: 2 (1 node(s) x 2 process(es)" in res.stdout

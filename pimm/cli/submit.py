@@ -76,9 +76,6 @@ def run(args: argparse.Namespace) -> int:
     if site.scheduler != "slurm":
         raise LaunchError(f"site {site.name!r} does not use Slurm (scheduler: {site.scheduler}); run it with "
                           "`pimm launch`, or pick a Slurm site")
-    if not args.dry_run and not args.output and shutil.which("sbatch") is None:
-        raise LaunchError("sbatch is not on PATH: run pimm submit on a Slurm login node; --dry-run prints the "
-                          "script and --output PATH writes it without one")
     # the resources are the site's (the allocation is new), not those of an earlier launch
     args.nnodes, args.nproc_per_node = site.nnodes, str(site.nproc_per_node)
     args.gpus = site.nproc_per_node if site.uses_gpus else 0
@@ -97,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
               f"{log_pattern(plan.run_dir.absolute())}")
         print("dry run: nothing created, nothing queued.")
         return 0
+    # the machine last: a mistake in the config or flags is reported first, on any machine
+    if not args.output and shutil.which("sbatch") is None:
+        raise LaunchError("sbatch is not on PATH: run pimm submit on a Slurm login node; --dry-run prints the "
+                          "script and --output PATH writes it without one")
     if plan.resume:
         _refuse_if_queued(plan.run_dir)
     return _write_and_queue(args, plan, site, submission, script, script_path)
