@@ -7,7 +7,9 @@ pimm.distributed.strategy) register exactly these names, and the launcher's conf
 
 OPTIMIZERS = ("SGD", "Adam", "AdamW")  # torch.optim classes of the same name
 SCHEDULERS = ("OneCycleLR", "CosineAnnealingLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR")
-MODELS = ("PointSegNet", "PointTransformer")
+MODELS = ("PointSegNet", "PointTransformer")  # their options: pimm.config.validate.MODEL_OPTIONS
+# the `feat` columns every dataset gives a point (pimm.data.dataset): a model's in_channels must match
+FEATURE_COLUMNS = ("x", "y", "z", "log_energy")
 TASKS = ("SemanticSegmentation",)  # pimm.tasks
 SERIALIZATION_ORDERS = ("z", "z-trans", "hilbert", "hilbert-trans")  # PointTransformer orders=...
 DATASETS = ("LArTPCDataset", "PILArNetDataset")

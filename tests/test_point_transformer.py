@@ -302,8 +302,8 @@ def test_sigusr1_to_every_process_with_loader_workers_then_resume_is_bit_exact(t
     ("model.dec_depths=[1,1,1]", "it has 3 entries but the decoder has 2 stage(s) (len(enc_depths) - 1)"),
     ("model.orders=[z,peano]", "must be a non-empty list of z, z-trans, hilbert, hilbert-trans"),
     ("model.enc_num_head=[3,3,3]", "enc_channels must be divisible by it stage by stage (16 by 3)"),
-    ("model.drop_path=1.5", "model.drop_path=1.5 is not allowed: it must be a number in [0, 1)"),
-    ("model.grid_size=0", "model.grid_size=0 is not allowed: it must be a finite number > 0"),
+    ("model.drop_path=1.5", "model.drop_path=1.5 is not allowed: model.drop_path must be a number in [0, 1)"),
+    ("model.grid_size=0", "model.grid_size=0 is not allowed: model.grid_size must be a finite number > 0"),
 ])
 def test_bad_model_options_exit_2_before_any_process(tmp_path, tiny_data, override, message):
     res = run_pimm(["launch", "--train.config", TINY_PTV3, "--paths.exp-root", str(tmp_path), "--dry-run", "--",

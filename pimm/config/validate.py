@@ -221,8 +221,12 @@ def check_config(cfg: dict) -> None:
             if given:
                 raise ConfigError(f"data.{split}.{given[0]} is an option of PILArNetDataset, not of "
                                   f"{dataset.get('type')}; remove it or set data.{split}.type='PILArNetDataset'")
-    if model.get("type") == "PointTransformer":
-        check_point_transformer(model)
+    check_model(model)
+    in_channels = model.get("in_channels")
+    if in_channels is not None and in_channels != len(names.FEATURE_COLUMNS):
+        raise ConfigError(
+            f"model.in_channels={in_channels} but every data set gives {len(names.FEATURE_COLUMNS)} feature columns "
+            f"per point ({', '.join(names.FEATURE_COLUMNS)}): set model.in_channels={len(names.FEATURE_COLUMNS)}")
     task = cfg.get("task")
     if isinstance(task, dict):
         unknown = sorted(set(task) - {"type", "class_weights", "ignore_index", "best_metric"})
@@ -276,24 +280,74 @@ def check_segmentation_options(num_classes, class_weights, ignore_index, best_me
                           f"{', '.join(SEGMENTATION_METRICS)} (the validation metric that picks model_best.pth)")
 
 
+def _list_of(what: str, ok: Callable[[Any], bool]) -> Rule:
+    return Rule(f"a non-empty list of {what}", lambda v: isinstance(v, (list, tuple)) and len(v) > 0
+                and all(ok(x) for x in v))
+
+
+_STAGE_LIST = _list_of("integers >= 1, one per encoder stage", lambda x: _is_int(x) and x >= 1)
+_DECODER_LIST = Rule("a list of integers >= 1, one per decoder stage (len(enc_depths) - 1)",
+                     lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) and x >= 1 for x in v))
+# model type -> its constructor arguments (pimm.models; a test holds these to the signatures)
+MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
+    "PointSegNet": {
+        "in_channels": integer(1, " (feature columns per point)"),
+        "num_classes": integer(2),
+        "channels": integer(1),
+        "grid_sizes": _list_of("finite numbers > 0 (a voxel edge per Block)", lambda x: _is_number(x) and x > 0),
+        "expansion": integer(1, " (MLP width / channels)"),
+    },
+    "PointTransformer": {
+        "in_channels": integer(1, " (feature columns per point)"),
+        "num_classes": integer(2),
+        "grid_size": number(0, strict=True),
+        "orders": _list_of(", ".join(names.SERIALIZATION_ORDERS), lambda x: x in names.SERIALIZATION_ORDERS),
+        "shuffle_orders": BOOL,
+        **{key: _STAGE_LIST for key in ("enc_depths", "enc_channels", "enc_num_head", "enc_patch_size")},
+        **{key: _DECODER_LIST for key in ("dec_depths", "dec_channels", "dec_num_head", "dec_patch_size")},
+        "mlp_ratio": number(0, strict=True),
+        "drop_path": Rule("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
+    },
+}
+
+
+def check_model(model: dict) -> None:
+    """ConfigError for a model config its model cannot be built from: an unknown option (with the
+    closest one), a value of the wrong type or range, and for PointTransformer stage lists that do
+    not fit together. The launcher checks the options a config gives; each model checks all of its
+    arguments, defaults included, with the same rules (check_model_arguments)."""
+    options = MODEL_OPTIONS[model["type"]]
+    for key, value in model.items():
+        if key == "type":
+            continue
+        if key not in options:
+            close = difflib.get_close_matches(str(key), options, n=1, cutoff=0.6)
+            hint = f"did you mean 'model.{close[0]}'? " if close else ""
+            raise ConfigError(f"model.{key} is not an option of {model['type']}: {hint}its options are "
+                              f"{', '.join(options)}. Fix or remove it in the config")
+        if not options[key].ok(value):
+            raise _refusal(f"model.{key}", value, options[key])
+    if model["type"] == "PointTransformer":
+        _check_point_transformer_stages(model)
+
+
+def check_model_arguments(type_name: str, arguments: dict) -> None:
+    """What a model's constructor runs on all its arguments: check_model of dict(type=type_name, ...)."""
+    check_model({"type": type_name, **arguments})
+
+
 _PTV3_STAGE_KEYS = ("enc_depths", "enc_channels", "enc_num_head", "enc_patch_size")
 _PTV3_DECODER_KEYS = ("dec_depths", "dec_channels", "dec_num_head", "dec_patch_size")
 
 
-def check_point_transformer(model: dict) -> None:
-    """ConfigError for PointTransformer options it cannot be built from. The launcher checks the keys
-    a config gives; the model checks all of them, defaults included, with this same function."""
+def _check_point_transformer_stages(model: dict) -> None:
+    """The PointTransformer options that relate to each other: one entry per encoder stage, one per
+    decoder stage (one fewer), channels divisible by heads."""
     def fail(key: str, why: str) -> ConfigError:
         return ConfigError(f"model.{key}={model[key]!r:.100} is not allowed: {why}. Fix it in the config or "
                            f"override it: -- model.{key}=<value>")
 
-    for key in (*_PTV3_STAGE_KEYS, *_PTV3_DECODER_KEYS):
-        value = model.get(key)
-        if value is not None and not (isinstance(value, (list, tuple)) and all(_is_int(v) and v >= 1 for v in value)):
-            raise fail(key, "it must be a list of integers >= 1, one per stage")
     stages = len(model["enc_depths"]) if model.get("enc_depths") is not None else None
-    if stages == 0:
-        raise fail("enc_depths", "the encoder needs at least one stage")
     for keys, expected, what in ((_PTV3_STAGE_KEYS, stages, "the encoder has {} stage(s) (len(enc_depths))"),
                                  (_PTV3_DECODER_KEYS, None if stages is None else stages - 1,
                                   "the decoder has {} stage(s) (len(enc_depths) - 1)")):
@@ -306,13 +360,3 @@ def check_point_transformer(model: dict) -> None:
             for c, h in zip(channels, heads):
                 if c % h:
                     raise fail(heads_key, f"{channels_key} must be divisible by it stage by stage ({c} by {h})")
-    orders = model.get("orders")
-    if orders is not None and (not isinstance(orders, (list, tuple)) or not orders
-                               or any(o not in names.SERIALIZATION_ORDERS for o in orders)):
-        raise fail("orders", f"it must be a non-empty list of {', '.join(names.SERIALIZATION_ORDERS)}")
-    for key in ("grid_size", "mlp_ratio"):
-        if model.get(key) is not None and not (_is_number(model[key]) and model[key] > 0):
-            raise fail(key, "it must be a finite number > 0")
-    drop_path = model.get("drop_path")
-    if drop_path is not None and not (_is_number(drop_path) and 0 <= drop_path < 1):
-        raise fail("drop_path", "it must be a number in [0, 1)")

@@ -5,6 +5,7 @@ from the run directory (plan_from_run)."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 import time
@@ -110,15 +111,33 @@ def resolve_nproc(requested: str, gpus: int) -> int:
     return nproc
 
 
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+def check_run_name(name: str, what: str = "--run.name") -> str:
+    """A run (or group) name is one path component: letters, digits, '.', '_', '+', '-', not
+    starting with '.' (so never '.', '..' or a hidden folder) and at most 200 characters."""
+    if not (_SAFE_NAME.fullmatch(name) and len(name) <= 200):
+        raise LaunchError(
+            f"{what} {name!r:.120} is not allowed: a run name is one folder name of letters, digits and . _ + - "
+            "(not starting with '.', no '/'), e.g. --run.name pilarnet-ptv3-lr3e-3; the run directory is always "
+            "<--paths.exp-root>/<group>/<name>"
+        )
+    return name
+
+
 def run_directory(
     exp_root: Path, config_name: str, run_name: str | None, timestamp: bool, job_tag: str | None = None
 ) -> Path:
     """exp/<group>/<run>: group from the config's folder, run from --run.name or the config's name,
     suffixed (unless timestamp is False) with the Slurm job step (job_tag: the same on every node)
-    or else the time."""
+    or else the time. Both are single safe folder names, so the run stays inside exp_root."""
     parts = Path(config_name).with_suffix("").parts
-    group = parts[-2] if len(parts) > 1 else "default"
-    name = run_name or parts[-1]
+    group = parts[-2] if len(parts) > 1 and _SAFE_NAME.fullmatch(parts[-2]) else "default"
+    if run_name is not None:
+        name = check_run_name(run_name)
+    else:
+        name = check_run_name(parts[-1] if parts else "", "the config's name (the default run name)")
     if timestamp:
         name = f"{name}-{job_tag or time.strftime('%Y%m%d-%H%M%S')}"
     return exp_root / group / name

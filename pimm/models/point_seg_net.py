@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pimm.config.validate import check_model_arguments
 from pimm.data.collate import offset_to_batch_index
 
 
@@ -72,6 +73,8 @@ class PointSegNet(nn.Module):
         expansion: int = 2,
     ) -> None:
         super().__init__()
+        check_model_arguments("PointSegNet", {key: value for key, value in locals().items()
+                                              if key not in ("self", "__class__")})
         self.grid_sizes = [float(g) for g in grid_sizes]
         self.stem = nn.Sequential(nn.Linear(in_channels, channels), nn.GELU(), nn.Linear(channels, channels))
         self.blocks = nn.ModuleList(Block(channels, expansion) for _ in self.grid_sizes)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pimm.config.validate import check_point_transformer
+from pimm.config.validate import check_model_arguments
 from pimm.data.collate import offset_to_batch_index
 from pimm.models.point_seg_net import cluster_mean
 from pimm.models.serialization import ORDERS, bit_depth, check_depth, serialize
@@ -336,7 +336,8 @@ class PointTransformer(nn.Module):
         drop_path: float = 0.0,
     ) -> None:
         super().__init__()
-        check_point_transformer({key: value for key, value in locals().items() if key not in ("self", "__class__")})
+        check_model_arguments("PointTransformer",
+                              {key: value for key, value in locals().items() if key not in ("self", "__class__")})
         stages = len(enc_depths)
         self.grid_size = float(grid_size)
         self.orders = list(orders)
