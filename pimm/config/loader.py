@@ -54,7 +54,8 @@ def resolve_config_path(name_or_path: str, search_roots: list[Path]) -> Path:
     """Turn a config name (``tests/tiny_semseg``) or file path into an existing ``.py`` path.
 
     An existing file path (with or without ``.py``) wins; otherwise the name is looked up
-    as ``<root>/<name>.py`` in each root in order. Raises ConfigError when nothing matches.
+    as ``<root>/<name>.py`` in each root in order. Raises ConfigError when nothing matches, or
+    when it names a folder (the message lists the configs in it).
     """
     given = str(name_or_path)
     for candidate in (Path(given), Path(given + ".py")):
@@ -62,6 +63,9 @@ def resolve_config_path(name_or_path: str, search_roots: list[Path]) -> Path:
             return candidate.resolve()
 
     name = given.removesuffix(".py")
+    for folder in (*(Path(root) / name for root in search_roots), Path(given)):
+        if folder.is_dir():
+            raise _is_a_folder(given, folder, search_roots)
     tried = []
     for root in search_roots:
         candidate = Path(root) / f"{name}.py"
@@ -80,6 +84,22 @@ def resolve_config_path(name_or_path: str, search_roots: list[Path]) -> Path:
     msg += " Run `pimm ls` to list the available configs."
     raise ConfigError(msg)
 
+
+def _is_a_folder(given: str, folder: Path, search_roots: list[Path]) -> ConfigError:
+    """ConfigError for a folder given as a config, listing the configs in it as --train.config takes them."""
+    root = next((Path(r).resolve() for r in search_roots if folder.resolve().is_relative_to(Path(r).resolve())), None)
+    if root is not None:  # config names, as `pimm ls` lists them
+        prefix = folder.resolve().relative_to(root).as_posix()
+        names = [n for n in list_configs(root) if prefix == "." or n.startswith(prefix + "/")]
+    else:  # paths of the .py files directly in it
+        names = sorted(p.as_posix() for p in folder.glob("*.py") if p.is_file() and not p.name.startswith("_"))
+    where = f"{given!r} is a directory" + (f" ({folder})" if folder.as_posix() != given.rstrip("/") else "")
+    if not names:
+        return ConfigError(f"config {where} with no runnable config in it (configs are .py files outside _base_/); "
+                           "pass a config name or a .py file. Run `pimm ls` to list the available configs.")
+    shown = ", ".join(names[:20]) + (f" (and {len(names) - 20} more)" if len(names) > 20 else "")
+    return ConfigError(f"config {where}, not a config file. Pass one of the configs in it: {shown}. For example: "
+                       f"--train.config {names[0]}")
 
 # ----------------------------------------------------------------------------- plain data
 

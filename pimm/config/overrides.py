@@ -61,12 +61,39 @@ def parse_overrides(tokens: list[str]) -> list[tuple[str, object]]:
     return out
 
 
+def closest_keys(key: str, cfg: dict, n: int = 3) -> list[str]:
+    """Up to `n` dotted keys of `cfg` that `key` most likely meant: keys ending in it (lr ->
+    optimizer.lr), else close spellings of the whole key, else keys with the same or a close last part."""
+    keys = [str(k) for k in flatten_keys(cfg)]
+    leaf = key.rsplit(".", 1)[-1]
+    leaves: dict[str, list[str]] = {}
+    for k in keys:
+        leaves.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    for found in (
+        [k for k in keys if k.endswith("." + key)],
+        _nearly_best(key, [k for k in keys if k.count(".") == key.count(".")]),
+        leaves.get(leaf, []),
+        [k for close in difflib.get_close_matches(leaf, list(leaves), n=n, cutoff=0.75) for k in leaves[close]],
+    ):
+        if found:
+            return found[:n]
+    return []
+
+
+def _nearly_best(word: str, choices: list[str], cutoff: float = 0.6) -> list[str]:
+    """The choices spelled closest to `word` (similarity >= cutoff and within 0.1 of the best), best first."""
+    scored = sorted(((difflib.SequenceMatcher(None, word, c).ratio(), c) for c in choices), reverse=True)
+    return [c for score, c in scored if score >= max(cutoff, scored[0][0] - 0.1)] if scored else []
+
+
 def _unknown(key: str, cfg: dict) -> ConfigError:
-    msg = f"unknown config key {key!r}"
-    close = difflib.get_close_matches(key, flatten_keys(cfg), n=1, cutoff=0.6)
-    if close:
-        msg += f"; did you mean {close[0]!r}?"
-    return ConfigError(msg + " Overrides can only change keys that exist; add new keys in the config file.")
+    close = closest_keys(key, cfg)
+    if len(close) == 1:
+        hint = f"; did you mean {close[0]!r}?"
+    else:
+        hint = f"; did you mean one of {', '.join(map(repr, close))}?" if close else "."
+    return ConfigError(f"unknown config key {key!r}{hint} Overrides can only change keys that exist; "
+                       "add new keys in the config file.")
 
 
 def _child_key(node: dict, part: str) -> Any:
@@ -99,7 +126,7 @@ def apply_overrides(cfg: dict, overrides: list[tuple[str, object]]) -> dict:
                 where = ".".join(parts[: i + 1])
                 raise ConfigError(
                     f"cannot set {key!r}: {where!r} is not a dict (it is {type(node[k]).__name__} "
-                    f"{node[k]!r:.60}); override {where!r} itself, e.g. {where}=<value>"
+                    f"{node[k]!r:.60}). Override {where!r} itself instead, e.g. {where}=<value>."
                 )
             node = node[k]
     return out
