@@ -5,11 +5,19 @@ every rank reads. Only `pimm launch` on node 0 and `pimm submit` on the submitti
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import shutil
 import time
+from pathlib import Path
 
 from pimm.errors import LaunchError
 from pimm.launch.run_lock import RunLock
+
+# directories open_run_dir made for a new run: removed again when writing it fails before any process starts
+_made_for: dict[Path, list[Path]] = {}
 
 
 def open_run_dir(plan) -> RunLock:
@@ -22,15 +30,24 @@ def open_run_dir(plan) -> RunLock:
 
     run_dir = plan.run_dir
     if not plan.resume:
-        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        made = [d for d in (*reversed(run_dir.parents), run_dir) if not d.exists()]  # outermost first
         try:
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
             run_dir.mkdir()
         except FileExistsError:
             raise LaunchError(
                 f"run directory {run_dir} already exists; resume it with --train.resume {run_dir}, "
                 "or choose another --run.name"
             ) from None
-    lock = RunLock(run_dir).acquire()
+        except OSError as exc:
+            _remove_new_run(run_dir, made)
+            raise LaunchError(cannot_write(plan, exc)) from None
+        _made_for[run_dir] = made
+    try:
+        lock = RunLock(run_dir).acquire()
+    except OSError as exc:
+        _remove_new_run(run_dir, _made_for.pop(run_dir, []) if not plan.resume else None)
+        raise LaunchError(cannot_write(plan, exc)) from None
     try:
         if plan.resume:
             resumable(run_dir / "model")  # 'Incomplete checkpoint directory ...' before any process starts
@@ -40,8 +57,11 @@ def open_run_dir(plan) -> RunLock:
                 previous.replace(kept)
                 print(f"pimm: the config differs from the run's previous one (kept as {kept})", flush=True)
         dump_config(plan.cfg, run_dir / "config.py")
-    except BaseException:
+    except BaseException as exc:
         lock.release()
+        if isinstance(exc, OSError):
+            _remove_new_run(run_dir, _made_for.pop(run_dir, None) if not plan.resume else None)
+            raise LaunchError(cannot_write(plan, exc)) from None
         raise
     return lock
 
@@ -60,6 +80,47 @@ def write_launch_record(plan, resume_changes: dict | None = None, **extra) -> di
         **extra,
     }
     tmp = plan.run_dir / "launch.json.tmp"
-    tmp.write_text(json.dumps(record, indent=2))
-    tmp.replace(plan.run_dir / "launch.json")
+    try:
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.replace(plan.run_dir / "launch.json")
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        # nothing has run in a new run directory yet: leave nothing of it behind
+        _remove_new_run(plan.run_dir, _made_for.pop(plan.run_dir, None) if not plan.resume else None)
+        raise LaunchError(cannot_write(plan, exc)) from None
+    _made_for.pop(plan.run_dir, None)
     return record
+
+
+def cannot_write(plan, exc: OSError) -> str:
+    """One line for a run directory that cannot be written: the path, the reason, what to do."""
+    reason = os_error_reason(exc)
+    if plan.resume:
+        fix = "free space on its disk" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "make it writable"
+        return f"cannot write to the run directory {plan.run_dir}: {reason}; {fix}, then resume it again"
+    exp_root = plan.run_dir.parent.parent
+    return f"cannot create the run directory under {exp_root}: {reason}; choose a writable --paths.exp-root"
+
+
+def os_error_reason(exc: OSError) -> str:
+    """Why a write failed, for people: 'read-only file system', 'no space left on device', or for a
+    path through a regular file '<path> is a file, not a directory'."""
+    if exc.errno == errno.ENOTDIR and exc.filename:
+        path = Path(exc.filename)
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            return f"{blocker} is a file, not a directory"
+    text = os.strerror(exc.errno) if exc.errno else str(exc)
+    return text[:1].lower() + text[1:]
+
+
+def _remove_new_run(run_dir: Path, made: list[Path] | None) -> None:
+    """Remove a new run directory and the parents made for it (innermost first, only when empty);
+    made None: a resumed run, whose directory stays."""
+    if made is None:
+        return
+    if run_dir in made:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    for path in reversed(made):
+        with contextlib.suppress(OSError):  # not empty (another run is in it now) or already gone
+            path.rmdir()

@@ -38,9 +38,13 @@ class RunLock:
             raise LaunchError(self._refusal(holder)) from None
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                   "command": " ".join(sys.argv), "slurm_job": os.environ.get("SLURM_JOB_ID")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+            os.fsync(fd)
+        except OSError:  # e.g. no space left for the holder's line: the caller says so
+            os.close(fd)
+            raise
         self.fd = fd
         return self
 
