@@ -69,7 +69,7 @@ def prepare(args: argparse.Namespace, scheduled: bool = False):
 
     step = getattr(args, "slurm_step", None)
     if args.resume:
-        from pimm.launch.resume import check_resume_changes, load_saved_run
+        from pimm.launch.resume import check_resume_changes, exit_if_completed, load_saved_run
 
         if args.resume is True and not args.config:
             raise LaunchError("--train.resume needs the run: --train.resume RUN_DIR, or --train.config with --run.name")
@@ -83,6 +83,7 @@ def prepare(args: argparse.Namespace, scheduled: bool = False):
         cfg = apply_overrides(saved.cfg, parse_overrides(args.overrides))
         check_config(cfg)
         args.resume_changes = check_resume_changes(saved, cfg)
+        exit_if_completed(run_dir, cfg, config_name, f"pimm submit --site {args.site}" if scheduled else "pimm launch")
         if (args.nnodes is None and int(saved.launch.get("nnodes", 1)) > 1 and not scheduled
                 and args.rdzv_endpoint is None and SlurmStep.from_env() is None):
             raise LaunchError(

@@ -17,7 +17,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from pimm.errors import ConfigError, LaunchError
+from pimm.errors import ConfigError, LaunchError, PimmError
 
 
 @dataclass
@@ -53,6 +53,79 @@ def load_saved_run(run_dir: Path) -> SavedRun:
     if isinstance(cfg.get("debug"), dict):  # fault injection belongs to one launch, not to the run
         cfg["debug"] = {key: None for key in cfg["debug"]}
     return SavedRun(run_dir, cfg, launch)
+
+
+@dataclass
+class CompletedRun:
+    """A run that already trained every step its config asks for."""
+
+    run_dir: Path
+    step: int  # of its newest complete checkpoint
+    total_steps: int
+    finished: str | None  # end time of the attempt that completed it
+    first_overrides: list[str]  # the overrides of its first launch (debug.* left out)
+
+    def message(self, cfg: dict, config_name: str, verb: str = "pimm launch") -> str:
+        """What to tell a person who asked to resume it: nothing to do, and how to train longer."""
+        run = self.run_dir
+        kept = [o for o in self.first_overrides if o.partition("=")[0] not in ("epochs", "max_steps")]
+        fresh = shlex.join([*verb.split(), "--train.config", config_name, "--train.weight", str(run / "model" / "last"),
+                            "--", *kept])
+        lines = [f"pimm: {run} already completed (step {self.step} of {self.total_steps}"
+                 + (f", finished {self.finished}" if self.finished else "") + "); nothing to resume, nothing changed.",
+                 "To train longer, start a new run from its weights (the optimizer and schedule start anew):",
+                 f"  {fresh} epochs=<N>"]
+        if _fixed_length_key(cfg) is None:  # the schedule does not end with the run: it can go on
+            longer = "max_steps=<N>" if cfg.get("max_steps") else "epochs=<N>"
+            lines += ["or continue this run itself, optimizer state included:",
+                      f"  {verb} --train.resume {shlex.quote(str(run))} -- {longer}"]
+        return "\n".join(lines)
+
+
+def completed_run(run_dir: Path, cfg: dict) -> CompletedRun | None:
+    """The run's end when it already trained every step `cfg` (its config, with any overrides)
+    asks for; None when a resume has something to train, or when that cannot be told. Decided from
+    what the run directory records, reading no checkpoint: the last attempt in provenance.json ended
+    "completed", and the newest complete checkpoint is at or past cfg's total steps (for the config
+    that attempt ran, the step it finished at; for another, epochs x steps per epoch, or max_steps)."""
+    from pimm.checkpoint.layout import candidates
+    from pimm.config import config_hash
+    from pimm.launch.node import attempts
+
+    done = attempts(run_dir)
+    last = done[-1] if done else {}
+    if last.get("outcome") != "completed" or last.get("validate_only"):
+        return None
+    complete, _ = candidates(run_dir / "model")
+    if not complete:
+        return None
+    try:
+        if last.get("config_hash") == config_hash(cfg) and last.get("final_step") is not None:
+            total = int(last["final_step"])
+        else:
+            total = _total_steps(cfg)
+    except (PimmError, OSError, KeyError, TypeError, ValueError):
+        return None  # the launch's own checks say what is wrong
+    if complete[0].step < total:
+        return None
+    overrides = ((done[0].get("launch") or {}).get("overrides")) or []
+    return CompletedRun(run_dir, complete[0].step, total, last.get("end_time"),
+                        [o for o in overrides if not o.startswith("debug.")])
+
+
+def exit_if_completed(run_dir: Path, cfg: dict, config_name: str, verb: str) -> None:
+    """Before anything is written or locked: when the run already completed what `cfg` asks for,
+    say so and how to train longer, and exit with status 0 (SystemExit); otherwise return."""
+    done = completed_run(run_dir, cfg)
+    if done is not None:
+        print(done.message(cfg, config_name, verb), flush=True)
+        raise SystemExit(0)
+
+
+def _total_steps(cfg: dict) -> int:
+    """Optimizer steps a run of `cfg` trains: every epoch, or max_steps when that is fewer (as the trainer counts)."""
+    steps = int(cfg["epochs"]) * (_train_events(cfg) // int(cfg["batch_size"]))
+    return min(steps, int(cfg["max_steps"])) if cfg.get("max_steps") else steps
 
 
 def leaf_values(cfg: dict, prefix: str = "") -> dict:
@@ -138,19 +211,27 @@ def _train_events(cfg: dict) -> int:
     return min(events, train["max_len"]) if train.get("max_len") else events
 
 
+def _fixed_length_key(cfg: dict) -> str | None:
+    """The scheduler key whose length is fixed from epochs x steps per epoch when the run starts
+    (OneCycleLR's total_steps, CosineAnnealingLR's T_max, left unset); None for any other schedule."""
+    scheduler = cfg.get("scheduler")
+    if not scheduler:
+        return None
+    from pimm.engine.optim import SCHEDULE_LENGTH_KEY
+
+    length_key = SCHEDULE_LENGTH_KEY.get(scheduler.get("type"))
+    return length_key if length_key is not None and scheduler.get(length_key) is None else None
+
+
 def _check_schedule_length(saved: SavedRun, cfg: dict, changes: dict, restart_hint: str) -> None:
     length_inputs = [k for k in changes if k in ("epochs", "batch_size", "data.train.path", "data.train.max_len",
                                                  "data.train.split", "data.train.min_points",
                                                  "data.train.energy_threshold",
                                                  "data.train.remove_low_energy_scatters")]
-    scheduler = cfg.get("scheduler")
-    if not length_inputs or not scheduler:
-        return
-    from pimm.engine.optim import SCHEDULE_LENGTH_KEY
-
-    length_key = SCHEDULE_LENGTH_KEY.get(scheduler.get("type"))
-    if length_key is None or scheduler.get(length_key) is not None:
+    length_key = _fixed_length_key(cfg)
+    if not length_inputs or length_key is None:
         return  # the schedule's length does not depend on the run's length
+    scheduler = cfg["scheduler"]
 
     def length(c: dict) -> int:
         return int(c["epochs"]) * (_train_events(c) // int(c["batch_size"]))

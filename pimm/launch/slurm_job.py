@@ -1,9 +1,10 @@
 """What a `pimm submit` batch script runs: `python -m pimm.launch.slurm_job begin|node|end`.
 
 - `begin` (batch host, before the training step): decides whether this job of the chain runs.
-  It does not when the run already finished (exit 3: the job ends with 0) or when the previous
-  job of the same submission made no checkpoint progress (exit 78, and the rest of the chain is
-  cancelled): a run that crashes before its first checkpoint is not requeued forever.
+  It does not when the run already finished (exit 3: the job ends with 0 and writes nothing in
+  the run directory but Slurm's own log) or when the previous job of the same submission made no
+  checkpoint progress (exit 78, and the rest of the chain is cancelled): a run that crashes before
+  its first checkpoint is not requeued forever.
 - `node` (one per node, under srun): node 0 takes the run lock, decides resume (a complete
   checkpoint exists) and announces the launch; every node then runs torchrun with the
   rendezvous of this job (pimm.launch.slurm) and exits with pimm's status (0, 75, 76, 1, 2).
@@ -69,11 +70,15 @@ def newest_checkpoint_step(run_dir: Path) -> int | None:
     return complete[0].step if complete else None
 
 
-def _last_outcome(run_dir: Path) -> str:
-    from pimm.launch.node import attempts
+def _completed(run_dir: Path) -> bool:
+    """The run already trained every step of its config.py (the rules of `--train.resume`)."""
+    from pimm.config import load_config
+    from pimm.launch.resume import completed_run
 
-    done = attempts(run_dir)
-    return done[-1].get("outcome", "") if done else ""
+    try:
+        return completed_run(run_dir, load_config(run_dir / "config.py")) is not None
+    except PimmError:
+        return False
 
 
 def _cancel_rest(submission: dict, job_id: int) -> list[int]:
@@ -94,9 +99,9 @@ def begin(run_dir: Path, submission_id: str) -> int:
     link = {"job_id": job_id, "start_step": step, "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "nodes": os.environ.get("SLURM_JOB_NODELIST")}
     number = f"job {len(links) + 1} of {len(submission['jobs']) or '?'}"
-    if links and _last_outcome(run_dir) == "completed":
+    if _completed(run_dir):  # also for the first job of a submission: nothing in the run is written
         rest = _cancel_rest(submission, job_id)
-        print(f"pimm: chain {number}: the run {run_dir} has finished ({where}); nothing to do"
+        print(f"pimm: chain {number}: the run {run_dir} has finished ({where}); nothing to do, nothing changed"
               + (f"; cancelled the rest of the chain: {' '.join(map(str, rest))}" if rest else ""), flush=True)
         return NOTHING_TO_DO
     if links and links[-1]["start_step"] == step:
