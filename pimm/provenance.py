@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import pimm
+from pimm.json_io import dumps
 
 
 def _now() -> str:
@@ -47,7 +48,7 @@ class Provenance:
 
     def _store(self, doc: dict) -> None:
         tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=2, default=str))
+        tmp.write_text(dumps(doc, indent=2, default=str))
         os.replace(tmp, self.path)
 
     def start(self, **fields) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
@@ -12,7 +13,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from pimm.data.event_file import _H5_ERRORS, _OPEN_KW, _fail, _read_index, validate_event_file
+from pimm.data.event_file import (
+    _H5_ERRORS,
+    _OPEN_KW,
+    _fail,
+    _read_index,
+    dropped_note,
+    select_events,
+    validate_event_file,
+)
 from pimm.data.pilarnet_file import _OPEN_KW as _PILARNET_OPEN_KW
 from pimm.data.pilarnet_file import (
     DEFAULT_LABEL,
@@ -33,6 +42,7 @@ from pimm.registry import Registry
 __all__ = ["DATASETS", "LArTPCDataset", "PILArNetDataset", "build_dataset", "validate_event_file"]
 
 DATASETS = Registry("dataset")
+log = logging.getLogger("pimm")
 
 
 def _check_options(seed: int, max_len: int | None, **positive: float) -> None:
@@ -53,6 +63,9 @@ class LArTPCDataset(Dataset):
 
     Keys are an event index or `(epoch, index)`; with `augment`, the random flips, rotation about
     the drift (x) axis, energy scale and coordinate jitter depend only on (seed, epoch, index).
+    With `skip_nonfinite`, events with a non-finite coordinate or energy are left out (the file is
+    read once to find them; without it the launcher has refused such a file); the index is then
+    over the remaining events, in stored order.
     The HDF5 file is opened lazily in each process (never across a fork, never pickled).
     """
 
@@ -65,12 +78,22 @@ class LArTPCDataset(Dataset):
         seed: int = 0,
         max_len: int | None = None,
         energy_scale: float = 1.0,
+        skip_nonfinite: bool = False,
     ) -> None:
         _check_options(seed, max_len, energy_scale=energy_scale)
-        self.info, offsets, self.class_names = _read_index(path)
+        if skip_nonfinite:
+            self.info, offsets, self.class_names, stored = select_events(path, skip_nonfinite=True)
+            _log_dropped(self.info)
+        else:
+            self.info, offsets, self.class_names = _read_index(path)
+            stored = None
         self.path = self.info["path"]
         n = self.info["num_events"] if max_len is None else min(int(max_len), self.info["num_events"])
-        self.offsets = offsets[: n + 1].copy()  # read once; index lookups never touch the file
+        # stored index of each event used (None: all of them, in order)
+        self.stored = None if stored is None or len(stored) == len(offsets) - 1 else stored[:n]
+        last = n if self.stored is None else int(self.stored[-1]) + 1
+        self.offsets = offsets[: last + 1].copy()  # read once; index lookups never touch the file
+        self._len = n
         self.augment = bool(augment)
         self.seed = int(seed)
         self.energy_scale = float(energy_scale)
@@ -82,7 +105,7 @@ class LArTPCDataset(Dataset):
         self._arrays: tuple[h5py.Dataset, h5py.Dataset, h5py.Dataset] | None = None
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return self._len
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -128,12 +151,13 @@ class LArTPCDataset(Dataset):
     def read_raw(self, index: int) -> dict[str, np.ndarray]:
         """Event `index` as stored: coord (N,3) float32, energy (N,) float32, segment (N,) uint8."""
         coord_ds, energy_ds, segment_ds = self._open()
-        a, b = int(self.offsets[index]), int(self.offsets[index + 1])
+        stored = index if self.stored is None else int(self.stored[index])
+        a, b = int(self.offsets[stored]), int(self.offsets[stored + 1])
         try:
             # one contiguous slice per array: random access costs one or two chunk reads
             return {"coord": coord_ds[a:b], "energy": energy_ds[a:b], "segment": segment_ds[a:b]}
         except _H5_ERRORS as exc:
-            raise _fail(Path(self.path), f"event {index} (rows {a}:{b}) is unreadable: {exc}") from exc
+            raise _fail(Path(self.path), f"event {stored} (rows {a}:{b}) is unreadable: {exc}") from exc
 
     def _augment(
         self, coord: np.ndarray, energy: np.ndarray, segment: np.ndarray, epoch: int, index: int
@@ -190,7 +214,8 @@ class PILArNetDataset(LArTPCDataset):
     Points with deposited energy at or below `energy_threshold` MeV are dropped, and with
     `remove_low_energy_scatters` the event's low-energy-scatter cluster (the first, semantic 4),
     as PILArNet-M's published reader does; events with fewer than `min_points` points left (or
-    none) are left out, through an index cached beside each shard (built on first use). `volume_size` is
+    none) are left out, through an index cached beside each shard (built on first use), and with
+    `skip_nonfinite` those with a non-finite coordinate or energy (found by the same index). `volume_size` is
     the side of the cube the coordinates fill (768 voxels in PILArNet-M). With
     `pid_unlabelled_as_none`, pid -1 (the low-energy deposits of PILArNet-M v2) becomes class 5
     "none", as in Pointcept's PILArNet reader. Shards are opened lazily, one handle per shard
@@ -212,10 +237,13 @@ class PILArNetDataset(LArTPCDataset):
         volume_size: float = 768.0,
         pid_unlabelled_as_none: bool = False,
         remove_low_energy_scatters: bool = False,
+        skip_nonfinite: bool = False,
     ) -> None:
         _check_options(seed, max_len, energy_scale=energy_scale, volume_size=volume_size)
         self.info, shards, rows = open_pilarnet(path, split, revision, label, min_points, energy_threshold,
-                                                remove_low_energy_scatters=remove_low_energy_scatters)
+                                                remove_low_energy_scatters=remove_low_energy_scatters,
+                                                skip_nonfinite=bool(skip_nonfinite))
+        _log_dropped(self.info)
         self.cut = (float(energy_threshold), bool(remove_low_energy_scatters))
         self.path = self.info["path"]
         self.shards = [str(s) for s in shards]
@@ -294,6 +322,12 @@ class PILArNetDataset(LArTPCDataset):
     def __repr__(self) -> str:
         return (f"PILArNetDataset({self.path!r}, revision={self.revision}, label={self.label}, shards="
                 f"{len(self.shards)}, events={len(self)}, augment={self.augment}, seed={self.seed})")
+
+
+def _log_dropped(info: dict) -> None:
+    note = dropped_note(info)
+    if note:
+        log.info("%s", note)
 
 
 def build_dataset(cfg: dict, seed: int) -> LArTPCDataset:

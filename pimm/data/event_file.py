@@ -3,14 +3,16 @@ also dispatches PILArNet-M shards to `pimm.data.pilarnet_file`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 
-from pimm.data.pilarnet_file import open_pilarnet
+from pimm.data.pilarnet_file import CHECKED_COLUMNS, NONFINITE_TODO, open_pilarnet
 from pimm.data.synth import _DTYPES, CHUNK_ROWS, CLASS_NAMES, FORMAT, FORMAT_VERSION, synth_command
 from pimm.errors import DataError
 
@@ -23,11 +25,12 @@ _REQUIRED_DATASETS = {
     "offsets": (1, (), "i"),
 }
 _KIND_NAMES = {"f": "a floating-point type", "u": "an unsigned integer type", "i": "a signed integer type"}
-_LABEL_SCAN_ROWS = 256 * CHUNK_ROWS  # 1M labels (1 MiB of uint8) per read: whole chunks, bounded memory
+_LABEL_SCAN_ROWS = 256 * CHUNK_ROWS  # 1M points (17 MiB of coord, energy, label) per read: whole chunks
 # files are written once and moved into place, so readers need no HDF5 file locks (which fail on
 # some parallel file systems)
 _OPEN_KW = {"mode": "r", "locking": False}
 _H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError)  # what h5py raises on bad files
+log = logging.getLogger("pimm")
 
 
 def _fail(path: Path, problem: str, todo: str | None = None) -> DataError:
@@ -88,10 +91,13 @@ def _read_index(path: str | Path) -> tuple[dict[str, Any], np.ndarray, list[str]
             for name in ("energy", "segment"):
                 if f[name].shape[0] != rows:
                     raise _fail(path, f"dataset '{name}' has {f[name].shape[0]} rows but 'coord' has {rows}")
+            if num_events < 1:
+                raise _fail(path, f"the file has no events (num_events={num_events}, {rows} point rows)",
+                            f"write one with at least one event, e.g. {synth_command(path)} with N >= 1")
             offsets = np.asarray(f["offsets"][:], dtype=np.int64)
             if len(offsets) != num_events + 1:
                 raise _fail(path, f"'offsets' has {len(offsets)} entries, expected num_events + 1 = {num_events + 1}")
-            if num_events < 1 or offsets[0] != 0 or offsets[-1] != rows or np.any(np.diff(offsets) < 0):
+            if offsets[0] != 0 or offsets[-1] != rows or np.any(np.diff(offsets) < 0):
                 raise _fail(
                     path,
                     f"'offsets' is inconsistent with the data (starts at {offsets[0]}, ends at {offsets[-1]}, "
@@ -119,14 +125,50 @@ def _read_index(path: str | Path) -> tuple[dict[str, Any], np.ndarray, list[str]
     return info, offsets, class_names
 
 
-def validate_event_file(path: str | Path, num_classes: int | None = None, ignore_index: int = -1) -> dict[str, Any]:
-    """Check that `path` is a readable pimm event file; return {path, size_bytes, num_events,
-    content_hash, format_version}. With `num_classes`, also check that every label is in
-    0..num_classes-1 or is `ignore_index`. Raises DataError saying what is wrong. Leaves no file open."""
-    info, offsets, _ = _read_index(path)
-    if num_classes is not None:
-        _check_labels(Path(info["path"]), offsets, num_classes, ignore_index)
-    return info
+def validate_event_file(path: str | Path, num_classes: int | None = None, ignore_index: int = -1,
+                        skip_nonfinite: bool = False) -> dict[str, Any]:
+    """Check that `path` is a readable pimm event file whose coordinates and energies are all
+    finite; return {path, size_bytes, num_events, content_hash, format_version, ...}. With
+    `num_classes`, also check that every label is in 0..num_classes-1 or is `ignore_index`. With
+    `skip_nonfinite`, events with a non-finite value are left out instead (`select_events`).
+    Raises DataError saying what is wrong. Leaves no file open."""
+    return select_events(path, skip_nonfinite, num_classes, ignore_index)[0]
+
+
+def select_events(path: str | Path, skip_nonfinite: bool, num_classes: int | None = None,
+                  ignore_index: int = -1) -> tuple[dict[str, Any], np.ndarray, list[str], np.ndarray]:
+    """(info, offsets, class names, stored indices of the events used) of a pimm event file, after
+    one pass over its points (`_scan_points`). An event with a non-finite coordinate or energy is a
+    DataError naming the file, event and column, or with `skip_nonfinite` is left out: info's
+    num_events counts the events used, nonfinite_dropped those left out, and its content_hash then
+    also covers which ones (a resume checks it)."""
+    info, offsets, class_names = _read_index(path)
+    path = Path(info["path"])
+    bad, first = _scan_points(path, offsets, num_classes, ignore_index)
+    events = np.arange(info["num_events"], dtype=np.int64)
+    info.update(events_in_files=info["num_events"], nonfinite_dropped=len(bad), skip_nonfinite=bool(skip_nonfinite))
+    if len(bad) and not skip_nonfinite:
+        event, point, column, value = first
+        raise _fail(path, f"event {event} has a non-finite {column} ({value}) at point {point} of the event; "
+                    f"{len(bad)} of {info['num_events']} events have non-finite coordinates or energies",
+                    NONFINITE_TODO)
+    if len(bad):
+        events = np.setdiff1d(events, bad)
+        if not len(events):
+            raise _fail(path, f"every one of its {len(bad)} events has a non-finite coordinate or energy",
+                        "fix the file or regenerate it")
+        selection = {"content_hash": info["content_hash"], "nonfinite_dropped": bad.tolist()}
+        info.update(num_events=len(events),
+                    content_hash=hashlib.sha256(json.dumps(selection).encode()).hexdigest())
+    return info, offsets, class_names, events
+
+
+def dropped_note(info: dict[str, Any]) -> str | None:
+    """The line that says how many events `skip_nonfinite` left out of a data set (None: none)."""
+    if not info.get("nonfinite_dropped"):
+        return None
+    return (f"data {info['path']}: dropped {info['nonfinite_dropped']} of {info['events_in_files']} events with "
+            f"non-finite values (skip_nonfinite=true); {info['num_events']} events are used")
 
 
 def validate_data(dataset: dict, num_classes: int | None = None, ignore_index: int = -1) -> dict[str, Any]:
@@ -134,38 +176,75 @@ def validate_data(dataset: dict, num_classes: int | None = None, ignore_index: i
     return its identity ({path, size_bytes, num_events, content_hash, ...}; num_events after any
     event selection). Labels must be classes or `ignore_index` (task.ignore_index). Raises
     DataError or ConfigError saying what is wrong. Leaves no file open."""
+    skip_nonfinite = bool(dataset.get("skip_nonfinite", False))
     if dataset.get("type") == "PILArNetDataset":
         selection = ("split", "revision", "label", "min_points", "energy_threshold", "remove_low_energy_scatters")
         if dataset.get("pid_unlabelled_as_none") and dataset.get("label") == "pid":
             ignore_index = -1  # the reader turns the file's -1 into class "none": nothing is left unlabelled
         info, _, _ = open_pilarnet(dataset["path"], num_classes=num_classes, ignore_index=ignore_index,
-                                   **{k: dataset[k] for k in selection if k in dataset})
-        return info
-    return validate_event_file(dataset["path"], num_classes=num_classes, ignore_index=ignore_index)
+                                   skip_nonfinite=skip_nonfinite, **{k: dataset[k] for k in selection if k in dataset})
+    else:
+        info = validate_event_file(dataset["path"], num_classes=num_classes, ignore_index=ignore_index,
+                                   skip_nonfinite=skip_nonfinite)
+    note = dropped_note(info)
+    if note:
+        log.warning("pimm: %s", note)
+    return info
 
 
-def _check_labels(path: Path, offsets: np.ndarray, num_classes: int, ignore_index: int = -1) -> None:
-    """DataError naming the first event with a label >= num_classes that is not `ignore_index`
-    (labels are unsigned).
+_COORD_NAMES = CHECKED_COLUMNS[:3]  # x, y, z
 
-    Reads `segment` in blocks of whole chunks with numpy: files may hold tens of millions of points."""
+
+def _scan_points(path: Path, offsets: np.ndarray, num_classes: int | None = None,
+                 ignore_index: int = -1) -> tuple[np.ndarray, tuple | None]:
+    """One pass over every point -> (sorted stored indices of the events with a non-finite
+    coordinate or energy, (event, point, column, value) of the first such value or None). With
+    `num_classes`, a DataError names the first event with a label >= num_classes that is not
+    `ignore_index` (labels are unsigned).
+
+    Reads blocks of whole chunks with numpy: files may hold tens of millions of points."""
+    bad_rows, first = [], None
     try:
         with h5py.File(path, **_OPEN_KW) as f:
-            segment = f["segment"]
-            for lo in range(0, segment.shape[0], _LABEL_SCAN_ROWS):
-                block = segment[lo : lo + _LABEL_SCAN_ROWS]
-                outside = (block >= num_classes) & (block != ignore_index) if block.size else block
-                if not outside.any():
+            coord_ds, energy_ds, segment_ds = f["coord"], f["energy"], f["segment"]
+            for lo in range(0, segment_ds.shape[0], _LABEL_SCAN_ROWS):
+                if num_classes is not None:
+                    _check_labels(path, offsets, segment_ds[lo : lo + _LABEL_SCAN_ROWS], lo, num_classes,
+                                  ignore_index)
+                coord, energy = coord_ds[lo : lo + _LABEL_SCAN_ROWS], energy_ds[lo : lo + _LABEL_SCAN_ROWS]
+                finite = np.isfinite(coord)
+                bad = ~(finite.all(axis=1) & np.isfinite(energy))
+                if not bad.any():
                     continue
-                first = int(np.flatnonzero(outside)[0])
-                row = lo + first
-                event = int(np.searchsorted(offsets, row, side="right")) - 1
-                raise _fail(
-                    path,
-                    f"event {event} has label {int(block[first])}, outside 0..{num_classes - 1} "
-                    f"(data.num_classes={num_classes}; point {row - int(offsets[event])} of the event, row {row})",
-                    "set data.num_classes (and model.num_classes) to cover every label, or use a file "
-                    f"written for {num_classes} classes",
-                )
+                rows = np.flatnonzero(bad)
+                bad_rows.append(rows + lo)
+                if first is None:
+                    r = int(rows[0])
+                    columns = np.flatnonzero(~finite[r])
+                    column, value = ((_COORD_NAMES[columns[0]], coord[r, columns[0]]) if len(columns)
+                                     else ("energy", energy[r]))
+                    event = int(np.searchsorted(offsets, lo + r, side="right")) - 1
+                    first = (event, lo + r - int(offsets[event]), column, float(value))
     except _H5_ERRORS as exc:
-        raise _fail(path, f"unreadable labels ({type(exc).__name__}: {exc}); the file is truncated or corrupt") from exc
+        raise _fail(path, f"unreadable points ({type(exc).__name__}: {exc}); the file is truncated or corrupt") from exc
+    rows = np.concatenate(bad_rows) if bad_rows else np.zeros(0, np.int64)
+    return np.unique(np.searchsorted(offsets, rows, side="right") - 1), first
+
+
+def _check_labels(path: Path, offsets: np.ndarray, block: np.ndarray, lo: int, num_classes: int,
+                  ignore_index: int = -1) -> None:
+    """DataError naming the first event with a label of `block` (rows lo..) >= num_classes that is
+    not `ignore_index`."""
+    outside = (block >= num_classes) & (block != ignore_index) if block.size else block
+    if not outside.any():
+        return
+    first = int(np.flatnonzero(outside)[0])
+    row = lo + first
+    event = int(np.searchsorted(offsets, row, side="right")) - 1
+    raise _fail(
+        path,
+        f"event {event} has label {int(block[first])}, outside 0..{num_classes - 1} "
+        f"(data.num_classes={num_classes}; point {row - int(offsets[event])} of the event, row {row})",
+        "set data.num_classes (and model.num_classes) to cover every label, or use a file "
+        f"written for {num_classes} classes",
+    )

@@ -46,7 +46,7 @@ LABEL_NAMES = {"motif": MOTIF_NAMES, "pid": PID_NAMES}
 IGNORE_LABEL = -1
 DEFAULT_SPLIT, DEFAULT_REVISION, DEFAULT_LABEL = "train", "v2", "motif"
 INDEX_SUFFIX = ".pimm-index.npz"  # the cached event index beside each shard
-INDEX_VERSION = 2  # 2: per-cut kept-point counts; no total energy
+INDEX_VERSION = 3  # 2: per-cut kept-point counts; no total energy. 3: events with non-finite values
 DATASET_NAMES = ("point", "cluster")  # required; cluster_extra is optional
 
 _FINGERPRINT_BYTES = 1 << 20  # a shard's identity: its size and sha256 of its first and last MiB
@@ -55,7 +55,10 @@ _SCAN_EVENTS = 256  # events per read while indexing: bounded memory, few HDF5 c
 _OPEN_KW = {"mode": "r", "locking": False}
 _H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError)
 _CACHE_ERRORS = (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile)
-_INDEX_KEYS = ("num_points", "label_min", "label_max", "label_counts", "cut_keys", "cut_counts")
+_INDEX_KEYS = ("num_points", "label_min", "label_max", "label_counts", "cut_keys", "cut_counts", "nonfinite_rows",
+               "nonfinite_columns", "nonfinite_values")
+CHECKED_COLUMNS = ("x coordinate", "y coordinate", "z coordinate", "energy")  # the point columns pimm reads
+NONFINITE_TODO = "fix the file, or set data.<split>.skip_nonfinite=true to leave such events out"
 NO_CUT = (0.0, False)  # (energy_threshold, remove_low_energy_scatters): every stored point kept
 _memory_index: dict[tuple, dict[str, np.ndarray]] = {}  # indexes that could not be written beside their file
 _warned_dirs: set[str] = set()
@@ -133,9 +136,14 @@ def event_arrays(path: Path, row: int, point_row: np.ndarray, cluster_row: np.nd
     points = point_row.reshape(-1, POINT_COLUMNS)
     clusters = cluster_row.reshape(-1, columns).astype(np.int64)
     sizes = clusters[:, SIZE_COLUMN]
-    if np.any(sizes < 0) or int(sizes.sum()) != len(points):
-        raise _fail(path, f"event {row}: cluster sizes sum to {int(sizes.sum())} (smallest {sizes.min(initial=0)}) "
-                    f"but the event has {len(points)} points", "the labels cannot be assigned; skip or fix the file")
+    if np.any(sizes < 0):
+        k = int(np.flatnonzero(sizes < 0)[0])
+        raise _fail(path, f"event {row}: cluster {k} has size {int(sizes[k])}; a cluster's size is its number of "
+                    "points and cannot be negative", "the labels cannot be assigned; fix the file")
+    if int(sizes.sum()) != len(points):
+        raise _fail(path, f"event {row}: cluster sizes sum to {int(sizes.sum())} (over {len(sizes)} clusters) but "
+                    f"the event has {len(points)} points; they must be equal",
+                    "the labels cannot be assigned; fix the file")
     return points, clusters
 
 
@@ -181,18 +189,46 @@ def _vlen_datasets(f: h5py.File, path: Path) -> tuple[h5py.Dataset, h5py.Dataset
     return point, cluster
 
 
-def _stored_events(path: Path, point_ds: h5py.Dataset, cluster_ds: h5py.Dataset, revision: str):
-    """(row, points (N, 8), clusters (K, 5|6)) of every event of an open shard, checked, read in
-    blocks of _SCAN_EVENTS rows: bounded memory, few HDF5 calls."""
+def _blocks(point_ds: h5py.Dataset, cluster_ds: h5py.Dataset):
+    """(first row, point rows, cluster rows) of an open shard in blocks of _SCAN_EVENTS events:
+    bounded memory, few HDF5 calls."""
     for lo in range(0, len(point_ds), _SCAN_EVENTS):
-        block = zip(point_ds[lo : lo + _SCAN_EVENTS], cluster_ds[lo : lo + _SCAN_EVENTS])
-        for row, (point_row, cluster_row) in enumerate(block, start=lo):
-            yield (row, *event_arrays(path, row, point_row, cluster_row, revision))
+        yield lo, point_ds[lo : lo + _SCAN_EVENTS], cluster_ds[lo : lo + _SCAN_EVENTS]
+
+
+def _block_events(path: Path, lo: int, point_rows, cluster_rows, revision: str):
+    """(row, points (N, 8), clusters (K, 5|6)) of every event of a block, checked."""
+    for row, (point_row, cluster_row) in enumerate(zip(point_rows, cluster_rows), start=lo):
+        yield (row, *event_arrays(path, row, point_row, cluster_row, revision))
+
+
+def _stored_events(path: Path, point_ds: h5py.Dataset, cluster_ds: h5py.Dataset, revision: str):
+    """(row, points (N, 8), clusters (K, 5|6)) of every event of an open shard, checked."""
+    for lo, point_rows, cluster_rows in _blocks(point_ds, cluster_ds):
+        yield from _block_events(path, lo, point_rows, cluster_rows, revision)
+
+
+def _nonfinite_points(lo: int, point_rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, columns, values) of the first non-finite value in CHECKED_COLUMNS of every event of a
+    block that has one: one numpy pass over the block's points, no loop over events."""
+    lengths = np.fromiter((r.size for r in point_rows), np.int64, len(point_rows))
+    flat = np.concatenate(list(point_rows)) if lengths.sum() else np.zeros(0, np.float32)
+    where = np.flatnonzero(~np.isfinite(flat))
+    if not where.size:
+        return np.zeros(0, np.int64), np.zeros(0, np.int8), np.zeros(0, np.float64)
+    ends = np.cumsum(lengths)
+    event = np.searchsorted(ends, where, side="right")
+    column = (where - (ends - lengths)[event]) % POINT_COLUMNS
+    checked = column < len(CHECKED_COLUMNS)
+    where, event, column = where[checked], event[checked], column[checked]
+    event, first = np.unique(event, return_index=True)  # `where` is sorted: the first value of each event
+    return event + lo, column[first].astype(np.int8), flat[where[first]].astype(np.float64)
 
 
 def _scan(path: Path, revision: str, cuts: list[tuple[float, bool]]) -> dict[str, np.ndarray]:
     """Read every event once: per-event point count, range of each label and points kept by each
-    of `cuts`; per-file point counts of each label value (-1, 0.., and 'out of range' last)."""
+    of `cuts`; per-file point counts of each label value (-1, 0.., and 'out of range' last); the
+    events with a non-finite coordinate or energy (row, CHECKED_COLUMNS index and value of the first)."""
     bins = len(PID_NAMES) + 2
     with h5py.File(path, **_OPEN_KW) as f:
         point_ds, cluster_ds = _vlen_datasets(f, path)
@@ -202,19 +238,25 @@ def _scan(path: Path, revision: str, cuts: list[tuple[float, bool]]) -> dict[str
         label_max = label_min.copy()
         counts = np.zeros((len(LABEL_COLUMNS), bins), np.int64)
         present = [(i, col) for i, col in enumerate(LABEL_COLUMNS.values()) if col < CLUSTER_COLUMNS[revision]]
-        for row, points, clusters in _stored_events(path, point_ds, cluster_ds, revision):
-            num_points[row] = len(points)
-            for c, cut in enumerate(cuts):
-                cut_counts[c, row] = _kept_count(points, clusters, cut)
-            sizes = clusters[:, SIZE_COLUMN]
-            for i, col in present:
-                values = clusters[:, col]
-                if len(values):
-                    label_min[i, row], label_max[i, row] = values.min(), values.max()
-                counts[i] += np.bincount(np.clip(values + 1, 0, bins - 1), weights=sizes,
-                                         minlength=bins).astype(np.int64)
+        nonfinite = []
+        for lo, point_rows, cluster_rows in _blocks(point_ds, cluster_ds):
+            nonfinite.append(_nonfinite_points(lo, point_rows))
+            for row, points, clusters in _block_events(path, lo, point_rows, cluster_rows, revision):
+                num_points[row] = len(points)
+                for c, cut in enumerate(cuts):
+                    cut_counts[c, row] = _kept_count(points, clusters, cut)
+                sizes = clusters[:, SIZE_COLUMN]
+                for i, col in present:
+                    values = clusters[:, col]
+                    if len(values):
+                        label_min[i, row], label_max[i, row] = values.min(), values.max()
+                    counts[i] += np.bincount(np.clip(values + 1, 0, bins - 1), weights=sizes,
+                                             minlength=bins).astype(np.int64)
+    rows, columns, values = (np.concatenate(a) for a in zip(*nonfinite)) if nonfinite else (
+        np.zeros(0, np.int64), np.zeros(0, np.int8), np.zeros(0, np.float64))
     return {"num_points": num_points, "label_min": label_min, "label_max": label_max, "label_counts": counts,
-            "cut_keys": np.array(cuts, np.float64).reshape(-1, 2), "cut_counts": cut_counts}
+            "cut_keys": np.array(cuts, np.float64).reshape(-1, 2), "cut_counts": cut_counts,
+            "nonfinite_rows": rows, "nonfinite_columns": columns, "nonfinite_values": values}
 
 
 def _fingerprint(path: Path, size: int) -> str:
@@ -326,6 +368,7 @@ def open_pilarnet(
     num_classes: int | None = None,
     ignore_index: int = IGNORE_LABEL,
     remove_low_energy_scatters: bool = False,
+    skip_nonfinite: bool = False,
 ) -> tuple[dict[str, Any], list[Path], list[np.ndarray]]:
     """Check PILArNet shards and select their events -> (info, shards, rows).
 
@@ -334,15 +377,18 @@ def open_pilarnet(
     `remove_low_energy_scatters`) or with none left are out; `rows[i]` holds the selected row
     numbers of `shards[i]`. Labels of `label` must be in 0..classes-1 (`num_classes`, when given, else the
     label's own class count) or -1, the format's "no label", which `ignore_index` must then be.
+    An event with a non-finite coordinate or energy is a DataError, or with `skip_nonfinite` is
+    out too (counted in info's nonfinite_dropped).
     `info` is {path, size_bytes, num_events, content_hash, layout, revision, label, split, shards,
-    events_in_files, min_points, energy_threshold, remove_low_energy_scatters};
-    its content_hash covers every shard and the selection. Raises ConfigError or DataError."""
+    events_in_files, min_points, energy_threshold, remove_low_energy_scatters, skip_nonfinite,
+    nonfinite_dropped}; its content_hash covers every shard and the selection (with the dropped
+    events, when there are any). Raises ConfigError or DataError."""
     check_options(revision, label, min_points, energy_threshold, remove_low_energy_scatters)
     cut = (float(energy_threshold), bool(remove_low_energy_scatters))
     root, shards = find_shards(path, split)
     limit = len(LABEL_NAMES[label]) if num_classes is None else int(num_classes)
     label_row = list(LABEL_COLUMNS).index(label)
-    rows, identity, size_bytes, events_in_files = [], [], 0, 0
+    rows, identity, size_bytes, events_in_files, dropped = [], [], 0, 0, {}
     for shard in shards:
         index = shard_index(shard, revision, cut)
         lo, hi = index["label_min"][label_row], index["label_max"][label_row]
@@ -363,12 +409,22 @@ def open_pilarnet(
             raise _fail(shard, f"event {e} has {label} label {value}, outside 0..{limit - 1} or -1 (ignore)"
                         f"{f' (data.num_classes={num_classes})' if num_classes is not None else ''}; "
                         f"{len(bad)} event(s) of this file are affected", todo)
+        name = shard.name if shard == root else str(shard.relative_to(root))
+        bad = index["nonfinite_rows"]
+        if len(bad) and not skip_nonfinite:
+            column = CHECKED_COLUMNS[int(index["nonfinite_columns"][0])]
+            value = float(index["nonfinite_values"][0])
+            raise _fail(shard, f"event {int(bad[0])} has a non-finite {column} ({value}); {len(bad)} of "
+                        f"{len(index['num_points'])} events of this file have non-finite coordinates or energies",
+                        NONFINITE_TODO)
         keep = (index["num_kept"] >= max(min_points, 1))
+        if len(bad):
+            keep[bad] = False
+            dropped[name] = bad.tolist()
         rows.append(np.flatnonzero(keep))
         size = shard.stat().st_size
         size_bytes += size
         events_in_files += len(keep)
-        name = shard.name if shard == root else str(shard.relative_to(root))
         identity.append([name, size, index["fingerprint"]])
     num_events = int(sum(len(r) for r in rows))
     if num_events == 0:
@@ -379,6 +435,8 @@ def open_pilarnet(
     selection = {"layout": LAYOUT, "revision": revision, "shards": identity, "min_points": int(min_points),
                  "energy_threshold": float(energy_threshold), "point_cut": "energy > threshold (index v2)",
                  "remove_low_energy_scatters": bool(remove_low_energy_scatters)}
+    if dropped:  # only then: the identity of data without such events is unchanged
+        selection["nonfinite_dropped"] = dropped
     info = {
         "path": str(root),
         "size_bytes": size_bytes,
@@ -393,6 +451,8 @@ def open_pilarnet(
         "min_points": int(min_points),
         "energy_threshold": float(energy_threshold),
         "remove_low_energy_scatters": bool(remove_low_energy_scatters),
+        "skip_nonfinite": bool(skip_nonfinite),
+        "nonfinite_dropped": int(sum(len(r) for r in dropped.values())),
     }
     return info, shards, rows
 

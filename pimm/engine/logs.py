@@ -8,6 +8,8 @@ import sys
 import uuid
 from pathlib import Path
 
+from pimm.json_io import dumps
+
 FORMAT = "%(asctime)s [rank %(rank)s] %(levelname)s %(message)s"
 
 
@@ -169,8 +171,8 @@ class WandbScalars:
 
 class MetricsWriter:
     """The one writer of metrics records (rank 0 only): one JSON object per line appended to
-    metrics.jsonl, flushed per record, and the same numbers to optional scalar sinks
-    (TensorBoardScalars, WandbScalars)."""
+    metrics.jsonl, flushed per record (a non-finite number as null: standard JSON), and the same
+    numbers to optional scalar sinks (TensorBoardScalars, WandbScalars)."""
 
     def __init__(self, path: Path | None, sinks: list | None = None) -> None:
         self.path = path
@@ -179,7 +181,7 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(dumps(record) + "\n")
             self._file.flush()
         for sink in self._sinks:
             sink.write(record)

@@ -35,6 +35,7 @@ from pimm.engine.logs import MetricsWriter, TensorBoardScalars, WandbScalars
 from pimm.engine.optim import build_optimizer, build_scheduler
 from pimm.engine.plot import plot_metrics
 from pimm.errors import EXIT_CHECKPOINTED, EXIT_FAILED, ConfigError, TrainingError
+from pimm.json_io import dumps, nonfinite_keys
 from pimm.models import build_model
 from pimm.provenance import Provenance
 from pimm.signals import StopRequest, ignore_further_stop_signals, ignore_stop_signals, loader_workers_forked
@@ -536,6 +537,16 @@ class Trainer:
                 forward(to_device(collate_events([self.val_set[0]]), device))
         result = meter.compute()
         self.module.train()
+        nonfinite = nonfinite_keys(result)
+        if nonfinite:  # warn, record as null, never pick as best; the weights are unchanged, so training goes on
+            result["nonfinite"] = nonfinite
+            (log.warning if self.env.is_main else log.info)(
+                "validation epoch %d step %d: %s not finite (%s); recorded as null in metrics.jsonl and "
+                "summary.json and never chosen for model_best.pth. Training goes on (validation changes no "
+                "weights); check the model's outputs on data.val (diverging weights, amp overflow)",
+                self.state.epoch, self.state.step, ", ".join(nonfinite),
+                ", ".join(f"{k}={result[k]}" for k in nonfinite),
+            )
         names = self.cfg["data"].get("names") or [str(i) for i in range(len(result["iou"]))]
         per_class = " ".join(f"{n}={v:.3f}" for n, v in zip(names, result["iou"]))
         log.info(
@@ -574,7 +585,7 @@ class Trainer:
             save_weight_file(state, self.run_dir / "model" / "model_best.pth")
             record = {"step": self.state.step, "metric": self.task.best_metric, "value": value}
             sidecar = self.run_dir / "model" / "model_best.json"
-            sidecar.with_name(sidecar.name + ".tmp").write_text(json.dumps(record) + "\n")
+            sidecar.with_name(sidecar.name + ".tmp").write_text(dumps(record) + "\n")
             sidecar.with_name(sidecar.name + ".tmp").replace(sidecar)
 
     def _write_summary(self, final: dict) -> None:
@@ -587,4 +598,4 @@ class Trainer:
             "best_metric": self.task.best_metric,
             "best_value": self.state.best_metric if math.isfinite(self.state.best_metric) else None,
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (self.run_dir / "summary.json").write_text(dumps(summary, indent=2))  # NaN -> null (final_val.nonfinite)

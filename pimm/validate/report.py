@@ -3,27 +3,16 @@ records (copied to provenance/<run>.json), all in the --out folder."""
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
 
 from pimm.engine.plot import save_png
+from pimm.json_io import dumps
 from pimm.validate.runs import Run, train_losses
 from pimm.validate.scaling import LOSS_RTOL
 
 PLOT = "loss_curves.png"
-
-
-def _jsonable(value):
-    """JSON without NaN/Infinity (not JSON): a non-finite float becomes its name as a string."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
 
 
 def write_report(out: Path, report: dict, runs: dict[str, Run]) -> None:
@@ -34,7 +23,7 @@ def write_report(out: Path, report: dict, runs: dict[str, Run]) -> None:
             shutil.copyfile(run.run_dir / "provenance.json", copied / f"{run.run_dir.name}.json")
     train = {r.world_size: r for name, r in runs.items() if name.startswith("train-")}
     report["plot"] = PLOT if plot_losses(train, out / PLOT) else None
-    (out / "report.json").write_text(json.dumps(_jsonable(report), indent=2) + "\n")
+    (out / "report.json").write_text(dumps(report, indent=2) + "\n")  # a non-finite number: null
     (out / "report.md").write_text(markdown(report))
 
 
