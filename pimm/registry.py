@@ -31,9 +31,9 @@ class Registry:
     def get(self, type_name: str) -> Callable[..., Any]:
         if type_name not in self._entries:
             close = difflib.get_close_matches(type_name, self.names(), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
+            hint = f"; did you mean '{close[0]}'?" if close else "."
             raise ConfigError(
-                f"unknown {self.kind} type '{type_name}'{hint} Valid types: {', '.join(self.names())}"
+                f"unknown {self.kind} type '{type_name}'{hint} Valid types: {', '.join(self.names())}."
             )
         return self._entries[type_name]
 

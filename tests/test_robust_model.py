@@ -105,3 +105,18 @@ def test_a_config_outside_a_folder_named_like_a_path_stays_inside_the_root(tmp_p
                     "--dry-run", "--", *data_args(tiny_data)], cwd=work)
     assert res.returncode == 0, res.stderr
     assert "run directory: exp/default/cfg" in res.stdout
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("lr = 0.1", "config key 'lr' is not used by pimm, so its value would be ignored. Did you mean 'optimizer.lr'?"),
+    ("data['train']['pth'] = 'x.h5'", "config key 'data.train.pth' is not used by pimm"),
+    ("epoch = 3", "Did you mean 'epochs'?"),
+])
+def test_an_unknown_key_in_a_config_file_is_refused_with_the_keys_it_likely_means(tmp_path, tiny_data, line, message):
+    config = tmp_path / "typo.py"
+    text = (REPO / "configs/tests/tiny_semseg.py").read_text()
+    text = text.replace('_base_ = ["../_base_/', f'_base_ = ["{REPO}/configs/_base_/')
+    config.write_text(f"{text}\n{line}\n_mine = 1\n")
+    res = run_pimm(["launch", "--train.config", str(config), "--paths.exp-root", str(tmp_path / "exp"), "--dry-run",
+                    "--", *data_args(tiny_data)], cwd=tmp_path)
+    assert_refused(res, message)

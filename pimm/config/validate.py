@@ -192,9 +192,44 @@ def _refusal(key: str, value: Any, rule: Rule) -> ConfigError:
     return ConfigError(f"{msg} Fix it in the config or override it: -- {key}=<value>")
 
 
+# top-level keys checked elsewhere (pimm.distributed.batch), besides the RULES'
+_SPLIT_KEYS = ("batch_size_val", "batch_size_test", "num_worker")
+_DATA_KEYS = ("num_classes", "names", *SPLITS)
+
+
+def _check_known_keys(cfg: dict) -> None:
+    """An unknown top-level, data or data.<split> key is a typo pimm would otherwise ignore in
+    silence (`lr = 0.1` trains at the default lr): refuse it with the keys it most likely means.
+    Top-level names starting with '_' are the config file's own helpers and are left alone."""
+    from pimm.config.overrides import closest_keys
+
+    known = {key.split(".")[0] for key, _, _ in RULES} | set(_SPLIT_KEYS)
+    scopes = [("", cfg, known)]
+    if isinstance(cfg.get("data"), dict):
+        scopes.append(("data.", cfg["data"], set(_DATA_KEYS)))
+        scopes += [(f"data.{split}.", cfg["data"][split], set(_SPLIT))
+                   for split in SPLITS if isinstance(cfg["data"].get(split), dict)]
+    for prefix, node, allowed in scopes:
+        for key in node:
+            if key in allowed or (not prefix and str(key).startswith("_")):
+                continue
+            if prefix:  # the options of this dict, as the dotted keys they would be
+                scope: dict = dict.fromkeys(allowed)
+                for part in reversed(prefix.rstrip(".").split(".")):
+                    scope = {part: scope}
+            else:
+                scope = {k: v for k, v in cfg.items() if k in known}
+            close = closest_keys(prefix + str(key), scope)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise ConfigError(f"config key '{prefix}{key}' is not used by pimm, so its value would be ignored.{hint} "
+                              "Fix or remove it in the config (names of your own helper variables start with '_')")
+
+
 def check_config(cfg: dict) -> None:
-    """Raise ConfigError for the first config value that training cannot use: a missing required
-    key, a wrong type, a value out of range, an unknown component name or two keys that disagree."""
+    """Raise ConfigError for the first config value that training cannot use: an unknown key, a
+    missing required key, a wrong type, a value out of range, an unknown component name or two keys
+    that disagree."""
+    _check_known_keys(cfg)
     for key, required, rule in RULES:
         parent_is_dict, value = _lookup(cfg, key)
         if value is _MISSING:
@@ -232,7 +267,7 @@ def check_config(cfg: dict) -> None:
         unknown = sorted(set(task) - {"type", "class_weights", "ignore_index", "best_metric"})
         if unknown:
             raise ConfigError(f"task.{unknown[0]} is not an option of {task['type']}; its options are "
-                              "class_weights, ignore_index, best_metric")
+                              "class_weights, ignore_index, best_metric.")
         check_segmentation_options(num_classes, task.get("class_weights"), task.get("ignore_index", -1),
                                    task.get("best_metric", "miou"))
     class_names = data.get("names")
