@@ -14,7 +14,6 @@ import gzip
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import socket
 import struct
@@ -260,21 +259,10 @@ def test_multinode_script_outside_slurm_says_so():
     assert res.returncode == 2 and "not inside a Slurm allocation" in res.stderr
 
 
-def slurm_answers() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    try:
-        return subprocess.run(["sinfo", "-h"], check=False, capture_output=True, timeout=30).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
-
-
 def test_multinode_setup_and_run_on_a_2_node_slurm_job(tmp_path):
-    if not slurm_answers():
-        if os.environ.get("CI"):
-            pytest.fail("CI is set but `sinfo` does not answer: .ci/run must start the cluster with "
-                        "`bash scripts/slurm_local.sh up` before the tests")
-        pytest.skip("no Slurm cluster: run `bash scripts/slurm_local.sh up`")
+    from conftest import require_slurm_cluster
+
+    require_slurm_cluster()
     job_name = f"pimm-course-{uuid.uuid4().hex[:8]}"
     log = tmp_path / "job.out"
     (tmp_path / "job.sh").write_text(
