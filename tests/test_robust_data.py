@@ -15,8 +15,9 @@ from conftest import REPO, TINY, run_pimm
 
 from pimm.cli.paths import config_roots
 from pimm.config import load_config, resolve_config_path
-from pimm.data.event_file import select_events
+from pimm.data.event_file import select_events, validate_data
 from pimm.data.synth import pilarnet_event, write_dataset, write_pilarnet, write_pilarnet_file
+from pimm.errors import DataError
 from pimm.json_io import dumps
 from pimm.models import build_model
 
@@ -173,3 +174,22 @@ def test_negative_cluster_size_is_named_plainly(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stdout + res.stderr
     assert (f"{path}: event 1: cluster 1 has size {int(event['cluster'][1, 0])}; a cluster's size is its number "
             "of points and cannot be negative") in res.stderr, res.stderr
+
+
+def test_the_point_scan_is_cached_beside_the_file_and_redone_when_it_changes(tmp_path: Path, monkeypatch) -> None:
+    from pimm.data import event_file
+
+    path = write_dataset(tmp_path / "e.h5", 6, seed=3)
+    spec = {"type": "LArTPCDataset", "path": str(path)}
+    validate_data(spec, num_classes=5)
+    scans = []
+    real_scan = event_file._scan_points
+    monkeypatch.setattr(event_file, "_scan_points", lambda *a: scans.append(a) or real_scan(*a))
+    validate_data(spec, num_classes=5)
+    assert not scans  # the second launch reads no point
+    with pytest.raises(DataError, match=r"event \d has label \d, outside 0..2"):
+        validate_data(spec, num_classes=3)  # labels are checked from the cache too
+    _spoil(path, {4: ("energy", -1, math.nan)})
+    with pytest.raises(DataError, match="event 4 has a non-finite energy"):
+        validate_data(spec, num_classes=5)
+    assert len(scans) == 1

@@ -1,18 +1,30 @@
 """Identify and check pimm event files without importing torch (the launcher uses this); `validate_data`
-also dispatches PILArNet-M shards to `pimm.data.pilarnet_file`."""
+also dispatches PILArNet-M shards to `pimm.data.pilarnet_file`.
+
+Every point is read once per file (labels in range, coordinates and energies finite) and what the
+checks need is cached beside the file in `<file>.pimm-index.npz`, like a PILArNet shard's index:
+a second launch reads no point."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 
-from pimm.data.pilarnet_file import CHECKED_COLUMNS, NONFINITE_TODO, open_pilarnet
+from pimm.data.pilarnet_file import (
+    CHECKED_COLUMNS,
+    NONFINITE_TODO,
+    _memory_index,
+    index_path,
+    open_pilarnet,
+    store_index,
+)
 from pimm.data.synth import _DTYPES, CHUNK_ROWS, CLASS_NAMES, FORMAT, FORMAT_VERSION, synth_command
 from pimm.errors import DataError
 
@@ -144,14 +156,17 @@ def select_events(path: str | Path, skip_nonfinite: bool, num_classes: int | Non
     also covers which ones (a resume checks it)."""
     info, offsets, class_names = _read_index(path)
     path = Path(info["path"])
-    bad, first = _scan_points(path, offsets, num_classes, ignore_index)
+    index = _points_index(path, offsets, info["content_hash"])
+    if num_classes is not None:
+        _check_labels(path, offsets, index, num_classes, ignore_index)
+    bad = index["nonfinite_events"]
     events = np.arange(info["num_events"], dtype=np.int64)
     info.update(events_in_files=info["num_events"], nonfinite_dropped=len(bad), skip_nonfinite=bool(skip_nonfinite))
     if len(bad) and not skip_nonfinite:
-        event, point, column, value = first
-        raise _fail(path, f"event {event} has a non-finite {column} ({value}) at point {point} of the event; "
-                    f"{len(bad)} of {info['num_events']} events have non-finite coordinates or energies",
-                    NONFINITE_TODO)
+        event, point, column, value = index["nonfinite_first"].tolist()
+        raise _fail(path, f"event {int(event)} has a non-finite {CHECKED_COLUMNS[int(column)]} ({value}) at point "
+                    f"{int(point)} of the event; {len(bad)} of {info['num_events']} events have non-finite "
+                    "coordinates or energies", NONFINITE_TODO)
     if len(bad):
         events = np.setdiff1d(events, bad)
         if not len(events):
@@ -192,25 +207,51 @@ def validate_data(dataset: dict, num_classes: int | None = None, ignore_index: i
     return info
 
 
-_COORD_NAMES = CHECKED_COLUMNS[:3]  # x, y, z
+_POINTS_INDEX_VERSION = 1
+_CACHE_ERRORS = (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile)
 
 
-def _scan_points(path: Path, offsets: np.ndarray, num_classes: int | None = None,
-                 ignore_index: int = -1) -> tuple[np.ndarray, tuple | None]:
-    """One pass over every point -> (sorted stored indices of the events with a non-finite
-    coordinate or energy, (event, point, column, value) of the first such value or None). With
-    `num_classes`, a DataError names the first event with a label >= num_classes that is not
-    `ignore_index` (labels are unsigned).
+def _points_index(path: Path, offsets: np.ndarray, content_hash: str) -> dict[str, np.ndarray]:
+    """What the launch checks need from every point of an event file (`_scan_points`), cached
+    beside it in `<file>.pimm-index.npz` (as PILArNet shards' indexes are) while its size, mtime
+    and content hash are unchanged: a second launch reads no point."""
+    st = path.stat()
+    stamp = np.array([_POINTS_INDEX_VERSION, st.st_size, st.st_mtime_ns], np.int64)
+    key = ("pimm-events", str(path), *stamp.tolist())
+    index = _memory_index.get(key)
+    if index is None:
+        try:
+            with np.load(index_path(path), allow_pickle=False) as z:
+                if np.array_equal(z["stamp"], stamp) and str(z["content_hash"]) == content_hash:
+                    index = {k: z[k] for k in _POINTS_INDEX_KEYS}
+        except _CACHE_ERRORS:
+            pass  # none yet, or a corrupt, older or foreign one: build it
+    if index is None:
+        index = _scan_points(path, offsets)
+        store_index(path, key, {"stamp": stamp, "content_hash": np.array(content_hash), **index}, index)
+    return index
+
+
+_POINTS_INDEX_KEYS = ("nonfinite_events", "nonfinite_first", "label_values", "label_first_rows")
+
+
+def _scan_points(path: Path, offsets: np.ndarray) -> dict[str, np.ndarray]:
+    """One pass over every point -> {nonfinite_events: sorted indices of the events with a
+    non-finite coordinate or energy, nonfinite_first: (event, point, CHECKED_COLUMNS index,
+    value) of the first such value (empty when none), label_values and label_first_rows: each
+    label value present and the first row that has it}.
 
     Reads blocks of whole chunks with numpy: files may hold tens of millions of points."""
-    bad_rows, first = [], None
+    bad_rows, first, labels = [], np.zeros(0), {}
     try:
         with h5py.File(path, **_OPEN_KW) as f:
             coord_ds, energy_ds, segment_ds = f["coord"], f["energy"], f["segment"]
             for lo in range(0, segment_ds.shape[0], _LABEL_SCAN_ROWS):
-                if num_classes is not None:
-                    _check_labels(path, offsets, segment_ds[lo : lo + _LABEL_SCAN_ROWS], lo, num_classes,
-                                  ignore_index)
+                segment = segment_ds[lo : lo + _LABEL_SCAN_ROWS]
+                present = (np.flatnonzero(np.bincount(segment)) if segment.dtype.itemsize <= 2
+                           else np.unique(segment))  # bincount is fastest, but sized by the largest value
+                for value in present[[int(v) not in labels for v in present]]:
+                    labels[int(value)] = lo + int(np.argmax(segment == value))
                 coord, energy = coord_ds[lo : lo + _LABEL_SCAN_ROWS], energy_ds[lo : lo + _LABEL_SCAN_ROWS]
                 finite = np.isfinite(coord)
                 bad = ~(finite.all(axis=1) & np.isfinite(energy))
@@ -218,32 +259,33 @@ def _scan_points(path: Path, offsets: np.ndarray, num_classes: int | None = None
                     continue
                 rows = np.flatnonzero(bad)
                 bad_rows.append(rows + lo)
-                if first is None:
+                if not first.size:
                     r = int(rows[0])
                     columns = np.flatnonzero(~finite[r])
-                    column, value = ((_COORD_NAMES[columns[0]], coord[r, columns[0]]) if len(columns)
-                                     else ("energy", energy[r]))
+                    column, value = (columns[0], coord[r, columns[0]]) if len(columns) else (3, energy[r])
                     event = int(np.searchsorted(offsets, lo + r, side="right")) - 1
-                    first = (event, lo + r - int(offsets[event]), column, float(value))
+                    first = np.array([event, lo + r - int(offsets[event]), column, value], np.float64)
     except _H5_ERRORS as exc:
         raise _fail(path, f"unreadable points ({type(exc).__name__}: {exc}); the file is truncated or corrupt") from exc
     rows = np.concatenate(bad_rows) if bad_rows else np.zeros(0, np.int64)
-    return np.unique(np.searchsorted(offsets, rows, side="right") - 1), first
+    return {"nonfinite_events": np.unique(np.searchsorted(offsets, rows, side="right") - 1).astype(np.int64),
+            "nonfinite_first": first, "label_values": np.array(list(labels), np.int64),
+            "label_first_rows": np.array(list(labels.values()), np.int64)}
 
 
-def _check_labels(path: Path, offsets: np.ndarray, block: np.ndarray, lo: int, num_classes: int,
+def _check_labels(path: Path, offsets: np.ndarray, index: dict[str, np.ndarray], num_classes: int,
                   ignore_index: int = -1) -> None:
-    """DataError naming the first event with a label of `block` (rows lo..) >= num_classes that is
-    not `ignore_index`."""
-    outside = (block >= num_classes) & (block != ignore_index) if block.size else block
+    """DataError naming the first event with a label >= num_classes that is not `ignore_index`
+    (labels are unsigned)."""
+    values, rows = index["label_values"], index["label_first_rows"]
+    outside = (values >= num_classes) & (values != ignore_index)
     if not outside.any():
         return
-    first = int(np.flatnonzero(outside)[0])
-    row = lo + first
+    label, row = min(zip(rows[outside].tolist(), values[outside].tolist()))[::-1]
     event = int(np.searchsorted(offsets, row, side="right")) - 1
     raise _fail(
         path,
-        f"event {event} has label {int(block[first])}, outside 0..{num_classes - 1} "
+        f"event {event} has label {label}, outside 0..{num_classes - 1} "
         f"(data.num_classes={num_classes}; point {row - int(offsets[event])} of the event, row {row})",
         "set data.num_classes (and model.num_classes) to cover every label, or use a file "
         f"written for {num_classes} classes",

@@ -12,6 +12,9 @@ The point cut (`kept_points`) is the published reader's: points with deposited e
 `energy_threshold` are dropped (0: none), and with `remove_low_energy_scatters` the first cluster
 when it is the low-energy-scatter cluster. `min_points` counts the points that survive the cut.
 
+Events with a non-finite x, y, z or energy are found by the same index pass: the launch refuses
+them (naming shard, event and column) unless `skip_nonfinite` leaves them out.
+
 The writer is `pimm.data.synth.write_pilarnet`, the torch reader `pimm.data.dataset.PILArNetDataset`;
 both import their constants from here. The launcher calls `open_pilarnet` (via
 `pimm.data.event_file.validate_data`) before any process starts.
@@ -294,22 +297,29 @@ def _load_index(cache: Path, stamp: np.ndarray, revision: str) -> dict[str, Any]
     return None
 
 
-def _store_index(shard: Path, key: tuple, stamp: np.ndarray, revision: str, index: dict[str, Any]) -> None:
-    """Write the index beside its shard atomically; where that fails keep it in this process."""
-    cache = index_path(shard)
+def store_index(data: Path, key: tuple, arrays: dict[str, np.ndarray], index: dict[str, Any]) -> None:
+    """Write `arrays` as the index beside the data file `data` (`index_path`) atomically; where
+    that fails keep `index` in this process under `key`, with one warning per directory.
+    pimm event files (pimm.data.event_file) cache their scan this way too."""
+    cache = index_path(data)
     tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as fh:
-            np.savez(fh, stamp=stamp, revision=np.array(revision), fingerprint=np.array(index["fingerprint"]),
-                     **{k: index[k] for k in _INDEX_KEYS})
+            np.savez(fh, **arrays)
         os.replace(tmp, cache)  # readers see the old index or the whole new one, never a partial file
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         _memory_index[key] = index
-        if str(shard.parent) not in _warned_dirs:
-            _warned_dirs.add(str(shard.parent))
-            log.warning("pimm: cannot cache PILArNet event indexes in %s (%s); keeping them in memory, so every "
-                        "process indexes its shards again", shard.parent, exc)
+        if str(data.parent) not in _warned_dirs:
+            _warned_dirs.add(str(data.parent))
+            log.warning("pimm: cannot cache event indexes in %s (%s); keeping them in memory, so every "
+                        "process reads its data files once more", data.parent, exc)
+
+
+def _store_index(shard: Path, key: tuple, stamp: np.ndarray, revision: str, index: dict[str, Any]) -> None:
+    store_index(shard, key, {"stamp": stamp, "revision": np.array(revision),
+                             "fingerprint": np.array(index["fingerprint"]), **{k: index[k] for k in _INDEX_KEYS}},
+                index)
 
 
 def shard_index(shard: Path, revision: str, cut: tuple[float, bool] = NO_CUT) -> dict[str, Any]:
