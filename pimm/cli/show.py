@@ -1,0 +1,42 @@
+"""`pimm show`: an event display of one event of a prediction file or a data file."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "show",
+        help="draw one event: truth, prediction and misclassified points",
+        description="Draw one event as a PNG (3D and xy/xz/yz projections) or an interactive 3D HTML page. "
+        "From a prediction file (`pimm test`/`pimm predict`): truth and prediction side by side with the "
+        "misclassified points in red and the event's accuracy. From a data file (a pimm event file, or "
+        "PILArNet-M shards): the truth.",
+    )
+    p.add_argument("path", type=Path,
+                   help="a prediction file, a pimm event file, or a PILArNet-M shard or directory of shards")
+    p.add_argument("--event", type=int, required=True, metavar="ID",
+                   help="event id: the dataset index pimm logs (for a data file: with the reader's default "
+                   "selection, every event with a point)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="file to write (default event_<ID>.png, or event_<ID>.html with --html, in the current "
+                   "directory)")
+    p.add_argument("--html", action="store_true",
+                   help="write an interactive 3D HTML page (self-contained) instead of the PNG; needs plotly: "
+                   "pip install -e '.[display]'")
+    p.add_argument("--split", default="train", help="PILArNet directory: shards <path>/*SPLIT/*.h5 (default train)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pimm.display import draw_png, load_event, require_plotly, write_html
+
+    if args.html:
+        require_plotly()  # before reading anything
+    out = args.out or Path(f"event_{args.event}.{'html' if args.html else 'png'}")
+    view = load_event(args.path, args.event, args.split)
+    written = write_html(view, out) if args.html else draw_png(view, out)
+    print(written)
+    return 0
