@@ -1,5 +1,6 @@
 """Prediction files: one HDF5 file per evaluation, written by `pimm test` and `pimm predict`, read
-by `pimm show` and anything a physicist writes (h5py, or any HDF5 reader: gzip only).
+by `pimm show` and by anything else that reads HDF5 (only the gzip and shuffle filters, which every
+HDF5 library has).
 
 Layout (format "pimm-predictions", version 1):
 
@@ -75,7 +76,7 @@ def _create_file(path: Path, *, num_classes: int, class_names: list[str], split:
                  has_labels: bool, has_scores: bool, provenance: dict[str, Any], rows: int = 0) -> h5py.File:
     """A new prediction file at `path` (header attributes, empty resizable point datasets of
     `rows` rows), not yet complete."""
-    f = h5py.File(path, "w")
+    f = h5py.File(path, "w", locking=False)  # a private partial file; HDF5 locks fail on some parallel file systems
     f.attrs.update({
         "format": FORMAT, "version": VERSION, "num_classes": int(num_classes),
         "class_names": json.dumps(list(class_names)), "split": str(split),
