@@ -1,11 +1,15 @@
 """The signal policy of a pimm run, in one place: who catches what, who forwards, who ignores.
 
-Processes of one single-node run and what each does with a stop signal (SIGTERM, SIGUSR1):
+Processes of one single-node run and what each does with a stop signal (SIGTERM, SIGUSR1, and
+SIGINT: Ctrl-C on a terminal, which reaches pimm launch and torchrun but not the ranks, which
+torchrun starts in sessions of their own):
 
-  pimm launch           forwards it to torchrun (`forward_stop_signals`);
-                        holds the run lock; torchrun dies with it (parent-death SIGKILL).
+  pimm launch           forwards it to torchrun (`StopForwarder`), and a repeat within GRACE_S
+                        too; a second signal later than that kills torchrun at once (SIGKILL:
+                        the ranks die with it, the last complete checkpoint stays) and pimm
+                        exits 76. Holds the run lock; torchrun dies with it (parent-death SIGKILL).
   torchrun (shim)       handles the FIRST stop signal only (`handle_once`): it asks every rank
-                        to stop (SIGTERM to each rank's process group) and waits for them;
+                        to stop (the same signal to each rank's process group) and waits;
                         repeats (the same signal sent to the whole job, or forwarded by
                         pimm launch) are ignored, so its graceful shutdown is never cut short.
   rank (worker)         catches it (`StopRequest`): finishes its step, agrees with the other
@@ -20,8 +24,8 @@ Processes of one single-node run and what each does with a stop signal (SIGTERM,
                         whole process groups, and a worker killed by its default action would
                         crash the rank before it could checkpoint. Dies with its rank.
 
-SIGINT (Ctrl-C on a terminal) is not a stop request: every process exits at once (status 130),
-the last complete checkpoint stays on disk.
+So Ctrl-C checkpoints and exits 75 (`pimm launch --train.resume RUN_DIR` continues), and a
+second Ctrl-C (after GRACE_S) stops at once with status 76.
 
 This module imports torch only inside `StopRequest.agreed`, so the launcher can use it.
 """
@@ -38,7 +42,7 @@ import time
 from pimm.errors import EXIT_SECOND_SIGNAL
 
 GRACE_S = 2.0
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork
 
@@ -90,15 +94,36 @@ def handle_once(handler):
     return first_only
 
 
-def forward_stop_signals(proc) -> dict:
-    """In pimm launch: a stop signal is passed on to the child `proc` (torchrun) as it came.
-    Returns the previous handlers (to restore)."""
-    return {sig: signal.signal(sig, lambda signum, _f: _send(proc, signum)) for sig in STOP_SIGNALS}
+class StopForwarder:
+    """In pimm launch, around waiting for the child `proc` (torchrun): a stop signal is passed on
+    as it came, and so is a repeat within GRACE_S; one later than that kills `proc` at once.
+    `signal_name` is the first signal's name (None without one), `killed` says whether a second
+    one ended the run."""
 
+    def __init__(self, proc) -> None:
+        self.proc = proc
+        self.signal_name: str | None = None
+        self.killed = False
+        self._first_at = 0.0
+        self._previous: dict = {}
 
-def _send(proc, sig) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
+    def __enter__(self) -> StopForwarder:
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, _frame) -> None:
+        now = time.monotonic()
+        if self.signal_name is None:
+            self.signal_name, self._first_at = signal.Signals(signum).name, now
+        elif now - self._first_at > GRACE_S:
+            self.killed = True
+            signum = signal.SIGKILL
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
 
 
 def tell_launcher_to_stop() -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from pimm.checkpoint.layout import (
@@ -43,6 +44,7 @@ from pimm.checkpoint.layout import (
     verify,
     write_manifest,
 )
+from pimm.checkpoint.weights import save
 from pimm.distributed.env import broadcast_from_rank0
 
 log = logging.getLogger("pimm")
@@ -145,7 +147,7 @@ class CheckpointManager:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise CheckpointError(f"checkpoint write failed: {error}") from error
+            raise error
 
     def _write_guarded(self, *args) -> None:
         try:
@@ -154,11 +156,21 @@ class CheckpointManager:
             self._error = exc
 
     def _write(self, staging: Path, step: int, model_state: dict | None, trainer_state: dict) -> None:
+        """Write and promote one checkpoint; CheckpointError (one line: step, directory, reason) when
+        it fails, after rank 0 removed the unfinished directory (which frees the space it took)."""
+        try:
+            self._write_and_promote(staging, step, model_state, trainer_state)
+        except (Exception, CheckpointException) as exc:  # DCP's gathered errors are a BaseException
+            if self.rank == 0:  # every rank is past its DCP writes: the collective reported the failure to all
+                shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointError(f"cannot write the checkpoint of step {step} to {staging}: {_why(exc)}") from exc
+
+    def _write_and_promote(self, staging: Path, step: int, model_state: dict | None, trainer_state: dict) -> None:
         start = time.perf_counter()
         writer = dcp.FileSystemWriter(staging / TRAINER, sync_files=True)  # each rank fsyncs its files
         dcp.save(trainer_state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
         if self.rank == 0:
-            torch.save(model_state, staging / WEIGHTS)
+            save(model_state, staging / WEIGHTS)
             if self._kill_at == step:
                 os.kill(os.getpid(), 9)  # fault injection: die in the middle of a checkpoint write
             write_manifest(staging, step)
@@ -251,3 +263,19 @@ class CheckpointManager:
             log.warning("unusable checkpoint %s moved to %s", path, target)
         if bad:
             fsync(self.model_dir)
+
+
+def _why(exc: BaseException) -> str:
+    """The reason of a failed write in a few words: the disk's ('no space left on device'), else
+    the first line of the error (DCP gathers every rank's errors with their tracebacks)."""
+    from pimm.launch.run_dir import os_error_reason, storage_error
+
+    full = storage_error(exc)
+    if full is not None:
+        return os_error_reason(full)
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, failure = next(iter(failures.items()))
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:300]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -20,11 +22,33 @@ def save_weight_file(state_dict: dict, path: Path) -> Path:
     """torch.save to a temporary name, fsync, then rename: a reader (or a power loss) never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state_dict, tmp)
+    try:
+        save(state_dict, tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync(tmp)
     os.replace(tmp, path)
     fsync(path.parent)
     return path
+
+
+def save(obj, path: Path) -> None:
+    """torch.save, except that a full disk is an OSError(ENOSPC) naming `path`: torch's zip writer
+    reports it as 'RuntimeError: [enforce fail at inline_container.cc] ... unexpected pos'."""
+    try:
+        torch.save(obj, path)
+    except RuntimeError as exc:
+        try:
+            full = shutil.disk_usage(path.parent).free < _NEARLY_FULL
+        except OSError:
+            full = False
+        if full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
+        raise
+
+
+_NEARLY_FULL = 1 << 20  # bytes free after a failed write that say the write failed for want of space
 
 
 def resolve_weight_path(path: str | Path) -> Path:

@@ -8,6 +8,7 @@ launcher can show the failing rank's own message after torchrun exits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -15,12 +16,45 @@ import traceback
 from pathlib import Path
 
 from pimm.errors import PimmError
+from pimm.launch.node import REPORT_DIR_ENV
 
 
 def _write_error(run_dir: Path, rank: int, text: str) -> None:
-    err_dir = run_dir / "errors"
-    err_dir.mkdir(parents=True, exist_ok=True)
-    (err_dir / f"rank{rank}.txt").write_text(text)
+    """errors/rank{R}.txt in the run directory, and a copy in the launcher's local report folder
+    (PIMM_REPORT_DIR), which still gets it when the run directory's disk is full."""
+    folders = [run_dir / "errors"]
+    if os.environ.get(REPORT_DIR_ENV):
+        folders.append(Path(os.environ[REPORT_DIR_ENV]))
+    for folder in folders:
+        path = folder / f"rank{rank}.txt"
+        tmp = path.with_suffix(".tmp")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(text)
+            tmp.replace(path)
+        except OSError:  # a full or read-only disk: the other copy, or the rank's stderr, has it
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+
+def _failure_text(exc: BaseException, run_dir: Path, rank: int) -> str:
+    """One line for the launcher: the first error pimm raised on purpose (a later one, e.g. while
+    recording the failure on a full disk, is a consequence), else a full or read-only disk and
+    the file it stopped, else the exception and where its traceback is."""
+    from pimm.launch.run_dir import os_error_reason, storage_error
+
+    chain, error = [], exc
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    ours = [e for e in chain if isinstance(e, PimmError)]
+    if ours:
+        return str(ours[-1])
+    full = storage_error(exc)
+    if full is not None:
+        return f"cannot write {full.filename or f'in {run_dir}'}: {os_error_reason(full)}"
+    first = (str(exc).splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first} (full traceback in {run_dir / 'logs' / f'rank{rank}.log'})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pimm.engine.logs import setup_logging
 
+    logging.raiseExceptions = False  # a log line that a full disk refuses must not print a traceback per call
     log = setup_logging(run_dir / "logs", rank)
     try:
         from pimm.config import load_config
@@ -69,23 +104,19 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_CHECKPOINTED
         destroy_distributed()
         return 0
-    except PimmError as exc:
-        log.error("%s", exc)
-        _write_error(run_dir, rank, str(exc))
-        return 1
     except KeyboardInterrupt:
         log.error("interrupted")
         _write_error(run_dir, rank, "interrupted (SIGINT)")
         return 130
-    except Exception as exc:  # a bug or an environment failure: keep the traceback in the rank log
-        log.error("unexpected error: %s: %s", type(exc).__name__, exc)
-        logging.getLogger("pimm").debug("traceback", exc_info=True)
-        with open(run_dir / "logs" / f"rank{rank}.log", "a", encoding="utf-8") as fh:
-            fh.write(traceback.format_exc())
-        _write_error(
-            run_dir, rank,
-            f"{type(exc).__name__}: {exc} (full traceback in {run_dir / 'logs' / f'rank{rank}.log'})",
-        )
+    except BaseException as exc:  # PimmError: said for people; else a bug or the environment: traceback in the log
+        if isinstance(exc, (SystemExit, GeneratorExit)):
+            raise
+        text = _failure_text(exc, run_dir, rank)
+        log.error("%s", text)
+        if not isinstance(exc, PimmError):
+            with contextlib.suppress(OSError), open(run_dir / "logs" / f"rank{rank}.log", "a", encoding="utf-8") as fh:
+                fh.write(traceback.format_exc())
+        _write_error(run_dir, rank, text)
         return 1
 
 

@@ -10,15 +10,22 @@ launch: the Slurm job step, or the rendezvous endpoint outside Slurm.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pimm.errors import EXIT_CHECKPOINTED, LaunchError
+from pimm.errors import EXIT_CHECKPOINTED, EXIT_SECOND_SIGNAL, LaunchError
+
+if TYPE_CHECKING:
+    from pimm.signals import StopForwarder
 
 NODES_DIR = ".nodes"
 
@@ -72,6 +79,11 @@ def wait_for_announcement(run_dir: Path, tag: str, timeout_s: float = 600.0) -> 
 
 # -- torchrun on this node ---------------------------------------------------------------------
 
+# a folder on this node's local disk where torchrun (torchrun.json: how each failed rank ended) and
+# the ranks (rank<R>.txt: their errors, also when the run directory's disk is full) report to pimm
+REPORT_DIR_ENV = "PIMM_REPORT_DIR"
+
+
 def attempts(run_dir: Path) -> list[dict]:
     try:
         return json.loads((run_dir / "provenance.json").read_text())["attempts"]
@@ -79,43 +91,55 @@ def attempts(run_dir: Path) -> list[dict]:
         return []
 
 
-def run_torchrun(argv: list[str], lock_fd: int | None) -> int:
+def run_torchrun(argv: list[str], lock_fd: int | None, report_dir: Path | None = None) -> tuple[int, StopForwarder]:
     """Run torchrun (see pimm.signals for who handles which signal): it dies with this process,
-    holds the run lock (when this node has it) as long as it lives, and gets SIGTERM for a
-    SIGTERM or SIGUSR1 sent here."""
-    from pimm.signals import die_with_parent, forward_stop_signals
+    holds the run lock (when this node has it) as long as it lives, and gets the stop signals sent
+    here. Returns its exit status and what this process was signalled."""
+    from pimm.signals import StopForwarder, die_with_parent
 
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if report_dir is not None:
+        env[REPORT_DIR_ENV] = str(report_dir)
     pass_fds = (lock_fd,) if lock_fd is not None else ()
     # preexec_fn is safe here: pimm runs no threads at this point
     proc = subprocess.Popen(argv, env=env, pass_fds=pass_fds, preexec_fn=die_with_parent)  # noqa: PLW1509
-    previous = forward_stop_signals(proc)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:  # the terminal sent SIGINT to the whole group; let torchrun finish
-        return proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with StopForwarder(proc) as stops:
+        return proc.wait(), stops
 
 
 def train_on_this_node(plan, lock_fd: int | None, node_rank: int = 0) -> int:
     """Run this node's torchrun and turn how the run ended into pimm's exit status (the same on
-    every node, so `srun` and the Slurm job report it): 0 finished, 75 checkpointed on a stop
-    signal, 76 stopped by a second signal, 1 failed. Node 0 prints the full report."""
+    every node, so `srun` and the Slurm job report it): 0 finished, 75 stopped by a signal with a
+    complete checkpoint to continue from, 76 stopped at once by a second signal, 1 failed. Node 0
+    prints the full report."""
     run_dir = plan.run_dir
     attempts_before = len(attempts(run_dir))
-    returncode = run_torchrun(plan.torchrun_argv(), lock_fd)
-    # rank 0 (maybe on another node) records the outcome just before it exits: give it a moment
-    outcome = _outcome(run_dir, attempts_before, wait_s=60.0 if node_rank else 5.0)
-    status = exit_status(outcome, returncode)
+    try:
+        report_dir = Path(tempfile.mkdtemp(prefix="pimm-report-"))
+    except OSError:  # no local scratch space: the run directory's errors/ still reports
+        report_dir = None
+    try:
+        returncode, stops = run_torchrun(plan.torchrun_argv(), lock_fd, report_dir)
+        # rank 0 (maybe on another node) records the outcome just before it exits: give it a moment
+        outcome = _outcome(run_dir, attempts_before, wait_s=60.0 if node_rank else (0.5 if stops.killed else 5.0))
+        status = exit_status(outcome, returncode)
+        failures, errors = _reports(run_dir, report_dir)
+    finally:
+        if report_dir is not None:
+            shutil.rmtree(report_dir, ignore_errors=True)
+    checkpoint = _newest_checkpoint(run_dir)
+    stopped = stops.killed or status == EXIT_CHECKPOINTED or (stops.signal_name and status != 0 and not errors)
+    if stops.killed:
+        status = EXIT_SECOND_SIGNAL
+    elif stopped and checkpoint is not None:
+        status = EXIT_CHECKPOINTED
     if node_rank:
         print(f"pimm: node {node_rank}: {outcome or 'no outcome recorded'} (exit status {status})", file=sys.stderr)
-    elif status == EXIT_CHECKPOINTED:
-        _report_interrupted(plan, outcome)
+    elif stopped:
+        _report_stopped(plan, stops.signal_name, outcome, checkpoint, status)
     elif status != 0:
-        _report_failure(run_dir, returncode)
+        _report_failure(plan, status, failures, errors, checkpoint)
     else:
         _report_success(run_dir)
     return status
@@ -137,21 +161,133 @@ def exit_status(outcome: str, returncode: int) -> int:
     return EXIT_CHECKPOINTED if outcome.startswith("interrupted") else returncode
 
 
-def _report_interrupted(plan, outcome: str) -> None:
+def _newest_checkpoint(run_dir: Path):
+    from pimm.checkpoint.layout import candidates
+
+    try:
+        complete, _ = candidates(run_dir / "model")
+    except OSError:
+        return None
+    return complete[0] if complete else None
+
+
+def _reports(run_dir: Path, report_dir: Path | None) -> tuple[list[dict], dict[int, str]]:
+    """(torchrun's record of the failed ranks on this node, rank -> its error): the errors from the
+    run directory (every node's ranks) and from this node's report folder (kept when the run
+    directory's disk was full)."""
+    failures: list[dict] = []
+    errors: dict[int, str] = {}
+    for folder in (run_dir / "errors", report_dir):
+        if folder is None:
+            continue
+        for path in folder.glob("rank*.txt"):
+            with contextlib.suppress(OSError, ValueError):
+                text = path.read_text().strip()
+                if text:
+                    errors[int(path.stem[4:])] = text
+    if report_dir is not None:
+        with contextlib.suppress(OSError, ValueError):
+            failures = json.loads((report_dir / "torchrun.json").read_text())
+    return failures, errors
+
+
+def first_causes(failures: list[dict], errors: dict[int, str]) -> list[dict]:
+    """The failed ranks, the one that failed first first: a rank killed by a signal torchrun did not
+    send (the others then fail because it vanished), then a rank that exited with an error of its
+    own, then one that lost its connection (to a rank that died), then those torchrun stopped.
+    Each failure: rank, local_rank, pid, host, exitcode, signal, stopped_by_torchrun (torchrun.py)."""
+    def order(item: tuple[int, dict]) -> tuple[int, int]:
+        i, failure = item
+        if failure.get("stopped_by_torchrun"):
+            return 3, i
+        if failure["exitcode"] < 0:
+            return 0, i
+        return (2 if lost_connection(errors.get(failure["rank"], "")) else 1), i
+
+    return [f for _, f in sorted(enumerate(failures), key=order)]
+
+
+def lost_connection(error: str) -> bool:
+    """The error of a rank whose peer went away (gloo/NCCL/TCPStore), not a failure of its own."""
+    return re.search(r"connection (reset|closed|refused|lost)|broken pipe|closed by peer|peer .*(died|exited)",
+                     error, re.IGNORECASE) is not None
+
+
+def failure_summary(failures: list[dict], errors: dict[int, str], run_dir: Path) -> tuple[int | None, str]:
+    """(the rank that failed first, one line: what happened to it and what that did to the others)."""
+    ordered = first_causes(failures, errors)
+    if not ordered:  # torchrun recorded nothing (e.g. the failure was on another node): the errors alone
+        ranks = sorted(errors, key=lambda r: (lost_connection(errors[r]), r))
+        if not ranks:
+            return None, f"no rank reported an error; see the logs in {run_dir / 'logs'}"
+        ordered = [{"rank": r, "exitcode": 1} for r in ranks]
+    first = ordered[0]
+    rank = first["rank"]
+    who = f"rank {rank}" + (f" (pid {first['pid']}, local rank {first['local_rank']} on {first['host']})"
+                            if "pid" in first else "")
+    if first["exitcode"] < 0:
+        line = f"{who} was killed by {first['signal']}"
+    elif errors.get(rank):
+        line = f"rank {rank} failed: {' '.join(errors[rank].split())}"
+    else:
+        line = (f"{who} exited with status {first['exitcode']} without reporting an error; see "
+                f"{run_dir / 'logs' / f'rank{rank}.log'}")
+    same = [r for r, text in errors.items() if r != rank and text == errors.get(rank)]  # said once: "the same way"
+    after = [f["rank"] for f in ordered[1:] if not f.get("stopped_by_torchrun") and f["rank"] not in same]
+    lost = [r for r in after if lost_connection(errors.get(r, ""))]
+    other = [r for r in after if r not in lost]
+    if lost:
+        line += f"; {_ranks(lost)} then lost {'its' if len(lost) == 1 else 'their'} connection"
+    if other:
+        line += f"; {_ranks(other)} then failed too"
+    return rank, line
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
+
+
+def _continue_lines(plan, checkpoint, full_disk: bool = False) -> list[str]:
     from pimm.launch.resume import continue_command
 
+    if checkpoint is None:
+        return ["no checkpoint was written"]
     command = continue_command(plan.run_dir, plan.nproc_per_node, plan.nnodes, plan.max_restarts)
-    print(f"\npimm: {outcome}; a complete checkpoint is in {plan.run_dir / 'model' / 'last'}", file=sys.stderr)
-    print(f"pimm: continue with: {command}", file=sys.stderr)
+    first = "; free space on its disk first" if full_disk else ""
+    return [f"the last complete checkpoint is step {checkpoint.step} ({checkpoint.path}){first}",
+            f"continue with: {command}"]
 
 
-def _report_failure(run_dir: Path, returncode: int) -> None:
-    errors = sorted((run_dir / "errors").glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
-    print(f"\npimm: training failed (torchrun exit status {returncode})", file=sys.stderr)
-    for path in errors:
-        print(f"pimm: {path.stem.replace('rank', 'rank ')} failed: {path.read_text().strip()}", file=sys.stderr)
-    if not errors:
-        print(f"pimm: no rank reported an error; see the logs in {run_dir / 'logs'}", file=sys.stderr)
+def _report_stopped(plan, signal_name: str | None, outcome: str, checkpoint, status: int) -> None:
+    """A stop signal ended the run: which one, the checkpoint it left, how to continue."""
+    name = signal_name or outcome.removeprefix("interrupted by ") or "a signal"
+    lines = _continue_lines(plan, checkpoint)
+    if status == EXIT_SECOND_SIGNAL:
+        what = f"stopped at once by a second {name}"
+    elif outcome.startswith("interrupted") and checkpoint is not None:
+        what = f"stopped by {name}: wrote the checkpoint of step {checkpoint.step} ({checkpoint.path})"
+        lines = lines[1:]
+    else:
+        what = f"stopped by {name} before this attempt wrote a checkpoint"
+    print(f"\npimm: {what} (exit status {status})", file=sys.stderr)
+    for line in lines:
+        print(f"pimm: {line}", file=sys.stderr)
+
+
+def _report_failure(plan, status: int, failures: list[dict], errors: dict[int, str], checkpoint) -> None:
+    """The ranks' own errors, the checkpoint to continue from, and last one line: the rank that
+    failed first and what that did to the others."""
+    run_dir = plan.run_dir
+    first, summary = failure_summary(failures, errors, run_dir)
+    print(f"\npimm: training failed (exit status {status})", file=sys.stderr)
+    for rank in sorted(errors):
+        if rank != first:
+            same = first in errors and errors[rank] == errors[first]
+            print(f"pimm: rank {rank} failed" + (" the same way" if same else f": {errors[rank]}"), file=sys.stderr)
+    full = any("no space left on device" in text or "quota exceeded" in text for text in errors.values())
+    for line in _continue_lines(plan, checkpoint, full):
+        print(f"pimm: {line}", file=sys.stderr)
+    print(f"pimm: {summary}", file=sys.stderr)
 
 
 def _report_success(run_dir: Path) -> None:

@@ -114,6 +114,30 @@ def os_error_reason(exc: OSError) -> str:
     return text[:1].lower() + text[1:]
 
 
+def storage_error(exc: BaseException) -> OSError | None:
+    """An OSError that says a disk cannot take more (full, over quota, read-only) in `exc`, its
+    causes, or the per-rank failures of a torch.distributed.checkpoint error (one that names its
+    file first); None when there is none."""
+    found: list[OSError] = []
+    seen: set[int] = set()
+    todo: list = [exc]
+    while todo:
+        error = todo.pop()
+        if not isinstance(error, BaseException) or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS:
+            found.append(error)
+        todo += [error.__context__, error.__cause__]
+        failures = getattr(error, "failures", None)  # DCP's CheckpointException: rank -> (error, traceback)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return next((e for e in found if e.filename), found[0] if found else None)
+
+
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
 def _remove_new_run(run_dir: Path, made: list[Path] | None) -> None:
     """Remove a new run directory and the parents made for it (innermost first, only when empty);
     made None: a resumed run, whose directory stays."""

@@ -1,20 +1,49 @@
 """torchrun with the same arguments and behaviour, minus the launcher's own Python traceback.
 
 When a worker fails, plain torchrun raises ChildFailedError out of its main and prints a long
-traceback from inside torch.distributed.elastic; the failing rank has already printed its own
-error, so pimm prints one line per failed rank instead.
+traceback from inside torch.distributed.elastic. Instead, under `pimm launch` this writes how
+each failed rank ended (exit status or signal, and whether torchrun itself signalled it while
+shutting the group down) to `$PIMM_REPORT_DIR/torchrun.json`, from which the launcher names the
+rank that failed first; run on its own it prints one line per failed rank, that one first.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import sys
+from pathlib import Path
 
 import torch.distributed.elastic.multiprocessing.api as elastic_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
 from torch.distributed.run import parse_args, run
 
+from pimm.launch.node import REPORT_DIR_ENV, first_causes
 from pimm.signals import handle_once
+
+_signalled: set[int] = set()  # pids of the workers torchrun signalled (to stop the group)
+
+
+def _remember_signalled(close):
+    def close_and_remember(self, death_sig=None):
+        _signalled.add(self.proc.pid)
+        return close(self, death_sig)
+
+    return close_and_remember
+
+
+def failures_of(exc: ChildFailedError) -> list[dict]:
+    """Each failed rank as torchrun saw it, in the order it noticed them."""
+    host = socket.gethostname()
+    return [
+        {"rank": rank, "local_rank": f.local_rank, "pid": f.pid, "host": host, "exitcode": f.exitcode,
+         "signal": f.signal_name() if f.exitcode < 0 else None,
+         "stopped_by_torchrun": f.exitcode < 0 and f.pid in _signalled}
+        for rank, f in exc.failures.items()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,17 +53,26 @@ def main(argv: list[str] | None = None) -> int:
     # the first signal starts the graceful shutdown; a repeat (the same signal sent to the whole
     # job, or forwarded by pimm launch) would otherwise abort it and orphan the workers
     elastic_api._terminate_process_handler = handle_once(elastic_api._terminate_process_handler)
+    SubprocessHandler.close = _remember_signalled(SubprocessHandler.close)
+    report_dir = os.environ.get(REPORT_DIR_ENV)
     try:
         run(args)
     except SignalException as exc:
-        print(f"torchrun: stopped by {exc.sigval.name}; the workers were asked to checkpoint and exit", file=sys.stderr)
+        if not report_dir:
+            print(f"torchrun: stopped by {exc.sigval.name}; the workers were asked to checkpoint and exit",
+                  file=sys.stderr)
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        for rank, failure in sorted(exc.failures.items()):
-            how = f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0 else (
-                f"exited with status {failure.exitcode}"
-            )
-            print(f"torchrun: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}", file=sys.stderr)
+        failures = failures_of(exc)
+        if report_dir:
+            try:
+                (Path(report_dir) / "torchrun.json").write_text(json.dumps(failures))
+                return 1
+            except OSError:
+                pass  # then say it here
+        for f in first_causes(failures, {}):
+            how = f"was killed by {f['signal']}" if f["exitcode"] < 0 else f"exited with status {f['exitcode']}"
+            print(f"torchrun: rank {f['rank']} (local rank {f['local_rank']}, pid {f['pid']}) {how}", file=sys.stderr)
         return 1
     return 0
 
