@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,6 @@ import pytest
 from conftest import REPO
 
 from pimm import cli
-from pimm.cli import show
 from pimm.data.predictions import (
     PredictionWriter,
     merge_predictions,
@@ -158,24 +156,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     return {"data": data, "pilarnet": root / "pilarnet", "pred": root / "pred.h5"}
 
 
-def _verbs(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
-    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-
-
 @pytest.fixture
-def pimm(monkeypatch, capsys):
-    """`pimm ...` in this process -> (exit status, stdout, stderr). Adds the `show` verb to the
-    parser when pimm.cli does not list it yet."""
-    build = cli.build_parser
-
-    def build_with_show() -> argparse.ArgumentParser:
-        parser = build()
-        verbs = _verbs(parser)
-        if "show" not in verbs.choices:
-            show.add_parser(verbs)
-        return parser
-
-    monkeypatch.setattr(cli, "build_parser", build_with_show)
+def pimm(capsys):
+    """`pimm ...` in this process -> (exit status, stdout, stderr)."""
 
     def run(*args: str) -> tuple[int, str, str]:
         code = cli.main([str(a) for a in args])
@@ -265,8 +248,6 @@ def test_show_refuses_bad_input_in_one_line(files, pimm, tmp_path, case: str) ->
 
 
 def test_python_m_pimm_show_is_registered(tmp_path) -> None:
-    if "show" not in _verbs(cli.build_parser()).choices:
-        pytest.skip("pimm.cli does not list pimm.cli.show yet")
     proc = subprocess.run([sys.executable, "-m", "pimm", "show", tmp_path / "nope.h5", "--event", "0"], check=False,
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert (proc.returncode, proc.stdout) == (2, "")
