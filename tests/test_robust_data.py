@@ -193,3 +193,18 @@ def test_the_point_scan_is_cached_beside_the_file_and_redone_when_it_changes(tmp
     with pytest.raises(DataError, match="event 4 has a non-finite energy"):
         validate_data(spec, num_classes=5)
     assert len(scans) == 1
+
+
+def test_pilarnet_scan_checks_the_columns_pimm_reads(tmp_path: Path) -> None:
+    events = [pilarnet_event(9, i) for i in range(6)]
+    events[1]["point"][4, 6] = np.nan  # dx: not read by pimm
+    events[2]["point"][:, 5] = 3e38  # electrons: finite values whose sum overflows to inf
+    spec = {"type": "PILArNetDataset", "path": str(write_pilarnet_file(tmp_path / "a.h5", events))}
+    assert validate_data(spec)["num_events"] == 6
+    events[4]["point"][9, 0] = -np.inf
+    events[4]["point"][11, 3] = np.nan
+    spec["path"] = str(write_pilarnet_file(tmp_path / "b.h5", events))
+    with pytest.raises(DataError, match=r"b.h5: event 4 has a non-finite x coordinate \(-inf\); 1 of 6 events"):
+        validate_data(spec)
+    info = validate_data({**spec, "skip_nonfinite": True})
+    assert (info["num_events"], info["nonfinite_dropped"]) == (5, 1)
