@@ -227,7 +227,8 @@ def _check_schedule_length(saved: SavedRun, cfg: dict, changes: dict, restart_hi
     length_inputs = [k for k in changes if k in ("epochs", "batch_size", "data.train.path", "data.train.max_len",
                                                  "data.train.split", "data.train.min_points",
                                                  "data.train.energy_threshold",
-                                                 "data.train.remove_low_energy_scatters")]
+                                                 "data.train.remove_low_energy_scatters",
+                                                 "data.train.skip_nonfinite")]
     length_key = _fixed_length_key(cfg)
     if not length_inputs or length_key is None:
         return  # the schedule's length does not depend on the run's length

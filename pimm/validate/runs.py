@@ -160,7 +160,8 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 
 def train_losses(run_dir: Path) -> dict[int, float]:
     """step -> the logged train loss (the mean over the global batch)."""
-    return {r["step"]: float(r["loss"]) for r in records(run_dir, "train")}
+    # a non-finite loss is recorded as null (pimm.json_io)
+    return {r["step"]: float("nan") if r["loss"] is None else float(r["loss"]) for r in records(run_dir, "train")}
 
 
 def last_train_step(run_dir: Path) -> int | None:
