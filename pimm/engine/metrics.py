@@ -38,24 +38,50 @@ class SegmentationMeter:
         self.events += event_losses.numel()
 
     def compute(self) -> dict:
-        """All-reduce and return loss (mean over events), per-class IoU, mIoU, accuracy."""
-        packed = torch.cat([self.confusion.flatten().double(), self.loss_sum.view(1), self.events.double().view(1)])
-        all_reduce_sum(packed)
-        confusion = packed[: self.num_classes**2].view(self.num_classes, -1)
-        return metrics_from_confusion(confusion, float(packed[-2]), int(packed[-1]))
+        """All-reduce (a collective: every rank calls it) and return `metrics_from_confusion`'s metrics."""
+        # counts reduced as int64 (exact at any size), the loss as a float64 sum
+        counts = torch.cat([self.confusion.flatten(), self.events.view(1)])
+        all_reduce_sum(counts)
+        loss_sum = all_reduce_sum(self.loss_sum.clone())
+        confusion = counts[:-1].view(self.num_classes, -1).cpu()
+        return metrics_from_confusion(confusion, float(loss_sum), int(counts[-1]))
 
 
 def metrics_from_confusion(confusion: torch.Tensor, loss_sum: float, events: int) -> dict:
-    """IoU_c = TP / (TP + FP + FN); classes absent from both target and prediction are left out of mIoU."""
-    tp = confusion.diag()
-    union = confusion.sum(0) + confusion.sum(1) - tp
-    present = union > 0
-    iou = torch.where(present, tp / union.clamp(min=1), torch.full_like(tp, float("nan")))
+    """Every segmentation metric from a (C, C) confusion matrix (rows truth, columns prediction).
+
+    loss (mean over events), miou and iou (IoU_c = TP / (TP + FP + FN); classes absent from both
+    truth and prediction are left out of mIoU), macc (mean per-class recall over the classes with
+    truth points), accuracy and allacc (the same number: correct points / labelled points), per
+    class recall (= class_accuracy), precision, f1 and class_points (truth points), the confusion
+    as nested int lists, events and points. An undefined per-class value is NaN (null in JSON)."""
+    counts = confusion.to(torch.float64)
+    tp = counts.diag()
+    truth, predicted = counts.sum(1), counts.sum(0)
+    union = truth + predicted - tp
+    nan = torch.full_like(tp, float("nan"))
+
+    def ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+        return torch.where(den > 0, num / den.clamp(min=1), nan)
+
+    iou, recall, precision = ratio(tp, union), ratio(tp, truth), ratio(tp, predicted)
+    # F1 = 2TP / (2TP + FP + FN): defined whenever the class has truth or predicted points
+    f1 = ratio(2 * tp, truth + predicted)
+    present, labelled = union > 0, truth > 0
+    accuracy = float(tp.sum() / counts.sum().clamp(min=1))
     return {
         "loss": loss_sum / max(events, 1),
         "miou": float(iou[present].mean()) if present.any() else float("nan"),
+        "macc": float(recall[labelled].mean()) if labelled.any() else float("nan"),
+        "accuracy": accuracy,
+        "allacc": accuracy,
         "iou": [float(v) for v in iou],
-        "accuracy": float(tp.sum() / confusion.sum().clamp(min=1)),
+        "class_accuracy": [float(v) for v in recall],
+        "precision": [float(v) for v in precision],
+        "recall": [float(v) for v in recall],
+        "f1": [float(v) for v in f1],
+        "class_points": [int(v) for v in truth],
+        "confusion": confusion.to(torch.int64).tolist(),
         "events": events,
-        "points": int(confusion.sum()),
+        "points": int(counts.sum()),
     }

@@ -1,4 +1,4 @@
-"""A PNG of training loss and validation mIoU, drawn from metrics.jsonl at the end of a run."""
+"""PNGs: training loss and validation mIoU from metrics.jsonl, and a confusion matrix."""
 
 from __future__ import annotations
 
@@ -43,3 +43,32 @@ def save_png(fig, out_path: Path) -> Path:
     plt.close(fig)
     tmp.replace(out_path)
     return out_path
+
+
+def plot_confusion(confusion, class_names: list[str], out_path: Path, title: str = "") -> Path:
+    """The confusion matrix (rows truth, columns prediction) normalised per row (each truth class's
+    points sum to 1), each cell annotated with its fraction and count; returns the PNG path."""
+    import matplotlib
+    import numpy as np
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = np.asarray(confusion, dtype=np.int64)
+    rows = counts.sum(1, keepdims=True)
+    fraction = np.divide(counts, rows, out=np.zeros(counts.shape), where=rows > 0)
+    n = len(class_names)
+    fig, ax = plt.subplots(figsize=(1.2 * n + 2.5, 1.1 * n + 1.8))
+    image = ax.imshow(fraction, cmap="Blues", vmin=0.0, vmax=1.0)
+    fig.colorbar(image, ax=ax, label="fraction of the truth class's points")
+    ax.set_xticks(range(n), class_names, rotation=45, ha="right")
+    ax.set_yticks(range(n), class_names)
+    ax.set_xlabel("prediction")
+    ax.set_ylabel("truth")
+    if title:
+        ax.set_title(title)
+    for i in range(n):
+        for j in range(n):
+            ax.text(j, i, f"{fraction[i, j]:.2f}\n{counts[i, j]}", ha="center", va="center", fontsize=8,
+                    color="white" if fraction[i, j] > 0.5 else "black")
+    return save_png(fig, out_path)

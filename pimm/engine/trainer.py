@@ -29,8 +29,9 @@ from pimm.data.collate import collate_events, split_events
 from pimm.data.dataset import build_dataset
 from pimm.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from pimm.distributed.batch import plan_batches
-from pimm.distributed.env import DistEnv, all_gather_objects, all_reduce_max, all_reduce_sum, barrier
+from pimm.distributed.env import DistEnv, all_gather_objects, all_reduce_sum, barrier
 from pimm.distributed.strategy import build_strategy
+from pimm.engine.evaluation import evaluate_events
 from pimm.engine.logs import MetricsWriter, TensorBoardScalars, WandbScalars
 from pimm.engine.optim import build_optimizer, build_scheduler
 from pimm.engine.plot import plot_metrics
@@ -511,31 +512,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Every validation event exactly once over all ranks; metrics summed exactly across ranks."""
-        model = self.strategy.eval_module(self.module)
-        model.eval()
         sampler = ShardedEvalSampler(
             len(self.val_set), self.plan.val_events_per_rank, self.env.world_size, self.env.rank
         )
         loader = self._loader(self.val_set, sampler)
-        device = self.env.device
-        meter = self.task.make_meter(device)
-
-        def forward(batch: dict):
-            with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast):
-                return self.task.forward_loss(model, batch)
-
-        with loader_workers_forked():
-            batches = iter(loader)
-        for batch in batches:
-            batch = to_device(batch, device)
-            meter.update(forward(batch), batch)
-        if self.strategy.lockstep_eval:
-            # the sharded forward is a collective: a rank with fewer batches runs masked ones (not
-            # counted) until every rank has run as many forwards as the busiest one
-            most = all_reduce_max(torch.tensor([len(sampler)], device=device)).item()
-            for _ in range(int(most) - len(sampler)):
-                forward(to_device(collate_events([self.val_set[0]]), device))
-        result = meter.compute()
+        result = evaluate_events(self.module, self.strategy, self.task, self.val_set, loader, sampler,
+                                 self.env.device, self.autocast_dtype if self.autocast else None)
         self.module.train()
         nonfinite = nonfinite_keys(result)
         if nonfinite:  # warn, record as null, never pick as best; the weights are unchanged, so training goes on

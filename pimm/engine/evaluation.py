@@ -1,0 +1,288 @@
+"""Evaluation: the one loop that validation during training and `pimm test` share, and the rank
+side of `pimm test` (`python -m pimm.engine.evaluation --eval-dir D`, started by torchrun).
+
+Every event is evaluated exactly once over the ranks (ShardedEvalSampler). Metrics come from an
+int64 confusion matrix all-reduced over ranks, so they are the same at any world size; the loss
+is a float64 sum. The evaluation directory D, prepared by `pimm test` (pimm.cli.evaluate), holds
+eval.json (split, weights, flags) and config.py; rank 0 writes the results into it:
+
+    test_metrics.json  every metric (pimm.engine.metrics.metrics_from_confusion) and the spec
+    test_metrics.csv   one row per class and one "overall" row
+    confusion.json     integer counts, rows = truth, columns = prediction, with the class names
+    confusion.png      the row-normalised confusion matrix, annotated
+    provenance.json    weights sha256, data identity, world size, strategy, pimm version, time
+    predictions.h5     with --save-predictions (pimm.data.predictions; scores with --save-scores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import io
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pimm.data.collate import collate_events
+from pimm.data.sampler import ShardedEvalSampler
+from pimm.distributed.env import all_reduce_max
+from pimm.signals import loader_workers_forked
+
+log = logging.getLogger("pimm")
+
+EVAL_SPEC = "eval.json"
+METRICS_FILE = "test_metrics.json"
+PREDICTIONS_FILE = "predictions.h5"
+
+
+@torch.no_grad()
+def evaluate_events(module: torch.nn.Module, strategy, task, dataset, loader, sampler: ShardedEvalSampler,
+                    device: torch.device, autocast_dtype: torch.dtype | None = None,
+                    on_batch: Callable[[dict, object], None] | None = None) -> dict:
+    """Run `task.forward_loss` of the strategy's evaluation module over this rank's batches of
+    `loader` (drawn by `sampler`) and return the task meter's metrics, reduced over all ranks (a
+    collective: every rank calls it). With a lockstep strategy (FSDP2) a rank with fewer batches
+    runs masked forwards until all ranks ran as many. `on_batch(batch, output)` sees each counted
+    batch (on `device`) and its TaskOutput. Leaves the module in eval mode."""
+    model = strategy.eval_module(module)
+    model.eval()
+    meter = task.make_meter(device)
+
+    def forward(batch: dict):
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            return task.forward_loss(model, batch)
+
+    with loader_workers_forked():
+        batches = iter(loader)
+    for batch in batches:
+        batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+        output = forward(batch)
+        meter.update(output, batch)
+        if on_batch is not None:
+            on_batch(batch, output)
+    if strategy.lockstep_eval:
+        # the sharded forward is a collective: a rank with fewer batches runs masked ones (not
+        # counted) until every rank has run as many forwards as the busiest one
+        most = all_reduce_max(torch.tensor([len(sampler)], device=device)).item()
+        for _ in range(int(most) - len(sampler)):
+            padding = collate_events([dataset[0]])
+            forward({key: value.to(device) for key, value in padding.items()})
+    return meter.compute()
+
+
+# ----------------------------------------------------------------------------- prediction parts
+
+
+def prediction_sources(dataset) -> tuple[list[str], Callable[[int], tuple[int, int]]]:
+    """The data files a dataset's events come from and, per dataset index, (source, index inside it)."""
+    if hasattr(dataset, "shards"):  # PILArNetDataset: (shard, row) of every selected event
+        return list(dataset.shards), lambda i: (int(dataset.event_shard[i]), int(dataset.event_row[i]))
+    stored = getattr(dataset, "stored", None)
+    return [str(dataset.path)], lambda i: (0, i if stored is None else int(stored[i]))
+
+
+def point_index(dataset, index: int, count: int) -> np.ndarray:
+    """The stored point index of each of event `index`'s `count` points (a point cut drops some)."""
+    cut = getattr(dataset, "cut", None)
+    if cut is not None and (cut[0] > 0 or cut[1]):
+        from pimm.data.pilarnet_file import kept_points
+
+        raw = dataset.read_raw(index)
+        keep = kept_points(raw["point"], raw["cluster"], cut)
+        if keep is not None:
+            return np.flatnonzero(keep).astype(np.int32)
+    return np.arange(count, dtype=np.int32)
+
+
+def prediction_writer(path: Path, dataset, cfg: dict, split: str, save_scores: bool, attrs: dict):
+    """(PredictionWriter, on_batch callback adding each batch's events to it)."""
+    from pimm.data.predictions import PredictionWriter
+
+    num_classes = int(cfg["data"]["num_classes"])
+    names = list(cfg["data"].get("names") or [str(i) for i in range(num_classes)])
+    sources, locate = prediction_sources(dataset)
+    writer = PredictionWriter(path, num_classes=num_classes, class_names=names, split=split, sources=sources,
+                              save_scores=save_scores, attrs=attrs)
+
+    def add(batch: dict, output) -> None:
+        logits = output.prediction.float()
+        pred = logits.argmax(1).cpu().numpy()
+        scores = torch.softmax(logits, 1).half().cpu().numpy() if save_scores else None
+        coord, segment = batch["coord"].cpu().numpy(), batch["segment"].cpu().numpy()
+        ends = batch["offset"].cpu().tolist()
+        for event_id, lo, hi in zip(batch["event_id"].tolist(), [0, *ends[:-1]], ends):
+            source, source_index = locate(event_id)
+            writer.add(event_id, source, source_index, pred[lo:hi], point_index(dataset, event_id, hi - lo),
+                       coord[lo:hi], segment[lo:hi], None if scores is None else scores[lo:hi])
+
+    return writer, add
+
+
+# ----------------------------------------------------------------------------- result files
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`text` into `path` in one rename: a reader sees the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def metrics_csv(result: dict, names: list[str]) -> str:
+    """One row per class (iou, accuracy = recall, precision, recall, f1, points) and one overall row."""
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(["class", "iou", "accuracy", "precision", "recall", "f1", "points"])
+
+    def cell(v) -> str:
+        return "" if v is None or (isinstance(v, float) and not np.isfinite(v)) else f"{v:.6g}"
+
+    for i, name in enumerate(names):
+        w.writerow([name, *(cell(result[k][i]) for k in ("iou", "class_accuracy", "precision", "recall", "f1")),
+                    result["class_points"][i]])
+    w.writerow(["overall", cell(result["miou"]), cell(result["macc"]), "", "", "", result["points"]])
+    w.writerow(["allacc", "", cell(result["allacc"]), "", "", "", result["points"]])
+    return out.getvalue()
+
+
+def write_results(out: Path, result: dict, spec: dict, names: list[str], provenance: dict) -> None:
+    """Rank 0: the metric, confusion and provenance files of one evaluation (test_metrics.json last:
+    its presence marks a finished evaluation)."""
+    from pimm.engine.plot import plot_confusion
+    from pimm.json_io import dumps
+
+    confusion = {"class_names": names, "rows": "truth", "columns": "prediction", "counts": result["confusion"]}
+    write_atomic(out / "confusion.json", dumps(confusion, indent=2) + "\n")
+    plot_confusion(np.asarray(result["confusion"], np.int64), names, out / "confusion.png",
+                   title=f"{spec['split']}: {spec['checkpoint']} (step {spec.get('step')})")
+    write_atomic(out / "test_metrics.csv", metrics_csv(result, names))
+    write_atomic(out / "provenance.json", dumps(provenance, indent=2) + "\n")
+    record = {**result, "class_names": names, "split": spec["split"], "checkpoint": spec["checkpoint"],
+              "step": spec.get("step"), "weights": spec["weights"], "weights_sha256": spec["weights_sha256"]}
+    write_atomic(out / METRICS_FILE, dumps(record, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- the rank's main
+
+
+def _evaluate(out: Path, env) -> None:
+    from pimm import __version__
+    from pimm.checkpoint.weights import load_weight_file
+    from pimm.config import config_hash, load_config
+    from pimm.data.dataset import build_dataset
+    from pimm.data.event_file import validate_data
+    from pimm.data.predictions import merge_predictions
+    from pimm.distributed.batch import plan_batches
+    from pimm.distributed.env import barrier
+    from pimm.distributed.strategy import build_strategy
+    from pimm.models import build_model
+    from pimm.tasks import build_task
+
+    spec = json.loads((out / EVAL_SPEC).read_text())
+    cfg = load_config(out / "config.py")
+    split = spec["split"]
+    data_cfg = {**cfg["data"][split], "augment": False}  # evaluation sees the events as stored
+    dataset = build_dataset(data_cfg, seed=int(cfg["seed"]))
+    # only the test batch matters here: a training batch that does not divide this world size is no error
+    plan = plan_batches({**cfg, "batch_size": env.world_size, "grad_accum_steps": 1, "batch_size_val": None},
+                        env.world_size)
+    sampler = ShardedEvalSampler(len(dataset), plan.test_events_per_rank, env.world_size, env.rank)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=plan.workers_per_rank,
+                                         collate_fn=collate_events, pin_memory=env.device.type == "cuda")
+    torch.manual_seed(int(cfg["seed"]))
+    model = build_model(cfg["model"])
+    task = build_task(cfg)
+    strategy = build_strategy(cfg, env)
+    module = strategy.wrap(model, env)
+    strategy.load_full_model_state(module, load_weight_file(spec["weights"]))
+    log.info("evaluating %s (%d events, %d per rank and batch) with %s (step %s) on %d rank(s), strategy %s",
+             split, len(dataset), plan.test_events_per_rank, spec["weights"], spec.get("step"), env.world_size,
+             strategy.name)
+    amp = cfg.get("amp") or {}
+    autocast = getattr(torch, amp.get("dtype", "bfloat16")) if amp.get("enabled") and env.device.type == "cuda" \
+        else None
+
+    writer, on_batch = None, None
+    facts = {"weights_sha256": spec["weights_sha256"], "config_hash": config_hash(cfg), "world_size": env.world_size,
+             "pimm_version": __version__}
+    if spec.get("save_predictions"):
+        writer, on_batch = prediction_writer(out / f"predictions.rank{env.rank}.h5", dataset, cfg, split,
+                                             bool(spec.get("save_scores")), {**facts, "rank": env.rank})
+    started = time.perf_counter()
+    try:
+        result = evaluate_events(module, strategy, task, dataset, loader, sampler, env.device, autocast, on_batch)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.close()
+    barrier()
+    if not env.is_main:
+        return
+    seconds = time.perf_counter() - started
+    if writer is not None:
+        merge_predictions([out / f"predictions.rank{r}.h5" for r in range(env.world_size)], out / PREDICTIONS_FILE)
+    names = list(cfg["data"].get("names") or [str(i) for i in range(len(result["iou"]))])
+    data = validate_data(cfg["data"][split], num_classes=cfg["data"]["num_classes"],
+                         ignore_index=(cfg.get("task") or {}).get("ignore_index", -1))
+    provenance = {
+        **facts, "weights": spec["weights"], "checkpoint": spec["checkpoint"], "step": spec.get("step"),
+        "split": split, "data": {k: data.get(k) for k in ("path", "size_bytes", "num_events", "content_hash")},
+        "strategy": strategy.name, "device_type": env.device.type, "seconds": seconds,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    write_results(out, result, spec, names, provenance)
+    log.info("%s: mIoU %.4f mAcc %.4f allAcc %.4f loss %.4f (%d events, %d points) in %.1f s", split,
+             result["miou"], result["macc"], result["allacc"], result["loss"], result["events"], result["points"],
+             seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pimm.engine.evaluation")
+    parser.add_argument("--eval-dir", type=Path, required=True)
+    out: Path = parser.parse_args(argv).eval_dir
+    if not (out / EVAL_SPEC).is_file():
+        print(f"pimm.engine.evaluation: error: {out / EVAL_SPEC} does not exist; start evaluations with `pimm test`",
+              file=sys.stderr)
+        return 2
+    from pimm.engine.logs import setup_logging
+    from pimm.engine.worker import _failure_text, _write_error
+    from pimm.signals import die_with_parent
+
+    die_with_parent()  # no rank outlives torchrun
+    rank = int(os.environ.get("RANK", 0))
+    logging.raiseExceptions = False
+    setup_logging(out / "logs", rank)
+    from pimm.distributed.env import destroy_distributed, init_distributed
+
+    try:
+        env = init_distributed()
+        _evaluate(out, env)
+        destroy_distributed()
+        return 0
+    except BaseException as exc:
+        if isinstance(exc, (SystemExit, GeneratorExit)):
+            raise
+        text = _failure_text(exc, out, rank)
+        log.error("%s", text)
+        with contextlib.suppress(OSError), open(out / "logs" / f"rank{rank}.log", "a", encoding="utf-8") as fh:
+            import traceback
+
+            fh.write(traceback.format_exc())
+        _write_error(out, rank, text)
+        return 1
+
+
+if __name__ == "__main__":
+    from pimm.engine.worker import exit_now
+
+    exit_now(main())
