@@ -1,0 +1,98 @@
+"""`pimm test`: the same metrics at 1 and 2 ranks (DDP and FSDP2), metrics that agree with the
+confusion matrix by hand, predictions that match the metrics, and one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import REPO, launch, run_pimm
+
+from pimm.engine.metrics import metrics_from_confusion
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_data):
+    """A 4-step 1-rank run whose config has data.test (the tiny val file, set through a YAML override)."""
+    res, run_dir = launch(tmp_path_factory.mktemp("eval"), tiny_data, 1, "max_steps=4",
+                          f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}", name="evalrun")
+    assert res.returncode == 0, res.stderr
+    return run_dir
+
+
+def pimm_test(run_dir, *args, overrides=()):
+    return run_pimm(["test", "--run-dir", str(run_dir), *args, *(["--", *overrides] if overrides else [])], cwd=REPO)
+
+
+def test_same_confusion_at_1_and_2_ranks_ddp_and_fsdp2(trained, tmp_path):
+    results = {}
+    for name, nproc, overrides in (("one", 1, ()), ("ddp", 2, ()), ("fsdp2", 2, ("parallel.strategy=fsdp2",))):
+        out = tmp_path / name
+        res = pimm_test(trained, "--resources.nproc-per-node", str(nproc), "--out", str(out), overrides=overrides)
+        assert res.returncode == 0, res.stderr
+        assert "mIoU" in res.stdout and str(out) in res.stdout
+        results[name] = json.loads((out / "test_metrics.json").read_text())
+        provenance = json.loads((out / "provenance.json").read_text())
+        assert provenance["world_size"] == nproc and provenance["data"]["content_hash"]
+        assert (out / "confusion.png").stat().st_size > 0
+        confusion = json.loads((out / "confusion.json").read_text())
+        assert confusion["counts"] == results[name]["confusion"]
+        assert len((out / "test_metrics.csv").read_text().splitlines()) == 1 + 5 + 2
+    assert provenance["strategy"] == "fsdp2"
+    one = results["one"]
+    assert one["events"] == 12 and one["checkpoint"] == "best" and one["step"] == 4
+    for name in ("ddp", "fsdp2"):
+        assert results[name]["confusion"] == one["confusion"]
+        assert results[name]["miou"] == one["miou"] and results[name]["macc"] == one["macc"]
+        assert results[name]["loss"] == pytest.approx(one["loss"], rel=1e-9)
+
+
+def test_metrics_by_hand():
+    confusion = torch.tensor([[5, 1, 0], [2, 3, 0], [0, 0, 0]])
+    m = metrics_from_confusion(confusion, 3.0, 2)
+    # class 0: TP 5, FN 1, FP 2; class 1: TP 3, FN 2, FP 1; class 2: no points at all
+    assert m["recall"][:2] == [5 / 6, 3 / 5] and m["class_accuracy"][:2] == m["recall"][:2]
+    assert m["precision"][:2] == [5 / 7, 3 / 4]
+    assert m["f1"][0] == pytest.approx(2 * (5 / 7) * (5 / 6) / (5 / 7 + 5 / 6))
+    assert m["macc"] == pytest.approx((5 / 6 + 3 / 5) / 2)
+    assert m["allacc"] == m["accuracy"] == 8 / 11
+    assert m["iou"][:2] == [5 / 8, 3 / 6] and m["miou"] == pytest.approx((5 / 8 + 3 / 6) / 2)
+    assert all(math.isnan(m[k][2]) for k in ("iou", "recall", "precision", "f1"))
+    assert m["class_points"] == [6, 5, 0] and m["points"] == 11 and m["loss"] == 1.5
+    assert m["confusion"] == confusion.tolist()
+
+
+def test_save_predictions_match_the_metrics(trained, tmp_path):
+    from pimm.data.predictions import metrics_from_predictions, open_predictions
+
+    out = tmp_path / "pred"
+    res = pimm_test(trained, "--resources.nproc-per-node", "2", "--out", str(out), "--save-predictions",
+                    "--save-scores")
+    assert res.returncode == 0, res.stderr
+    metrics = json.loads((out / "test_metrics.json").read_text())
+    with open_predictions(out / "predictions.h5") as preds:
+        assert preds.event_ids.tolist() == list(range(12)) and preds.has_scores
+    assert not list(out.glob("predictions.rank*"))
+    again = metrics_from_predictions(out / "predictions.h5")
+    assert again["confusion"] == metrics["confusion"] and again["miou"] == metrics["miou"]
+
+
+@pytest.mark.parametrize("case", ["no_checkpoint", "no_test_data", "finished_out", "scores_alone"])
+def test_bad_input_exits_2_with_one_line(trained, tmp_path, case):
+    finished = tmp_path / "done"
+    finished.mkdir()
+    (finished / "test_metrics.json").write_text("{}")
+    args, overrides = {
+        "no_checkpoint": (["--checkpoint", "step_999"], ()),
+        "no_test_data": ([], ("data.test=null",)),
+        "finished_out": (["--out", str(finished)], ()),
+        "scores_alone": (["--save-scores"], ()),
+    }[case]
+    res = pimm_test(trained, *args, overrides=overrides)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pimm: error:"), res.stderr
+    assert {"no_checkpoint": "step_999", "no_test_data": "data.test={type: LArTPCDataset",
+            "finished_out": "--out", "scores_alone": "--save-predictions"}[case] in lines[0]
