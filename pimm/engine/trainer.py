@@ -177,11 +177,16 @@ class Trainer:
             p.global_batch_size, p.events_per_rank, p.grad_accum_steps, p.micro_batch_per_rank,
             p.val_events_per_rank, p.workers_per_rank, p.global_workers,
         )
-        log.info(
-            "train events %d -> %d optimizer steps/epoch (last %d events of each epoch's order dropped), "
-            "%d steps total",
-            len(self.train_set), self.steps_per_epoch, len(self.train_set) % p.global_batch_size, self.total_steps,
-        )
+        if self.validate_only:
+            log.info("validate_only: data.val is evaluated once with the given weights; nothing is trained "
+                     "(a finished run's checkpoints: `pimm test --run-dir RUN --split val`)")
+        else:
+            log.info(
+                "train events %d -> %d optimizer steps/epoch (last %d events of each epoch's order dropped), "
+                "%d steps total",
+                len(self.train_set), self.steps_per_epoch, len(self.train_set) % p.global_batch_size,
+                self.total_steps,
+            )
         n_params = sum(t.numel() for t in self.model.parameters())
         log.info("model %s: %.2fM parameters", self.cfg["model"]["type"], n_params / 1e6)
 
