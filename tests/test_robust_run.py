@@ -135,7 +135,7 @@ def test_kill_9_of_rank_1_is_named_as_the_cause(tmp_path, tiny_data):
     finally:
         kill_run(proc, run_dir)
     assert proc.returncode == 1, err
-    assert re.fullmatch(rf"pimm: rank 1 \(pid {pid}, local rank 1 on \S+\) was killed by SIGKILL; "
+    assert re.fullmatch(rf"pimm: rank 1 \(pid {pid}, local rank 1 on \S+\) was killed by signal 9 \(SIGKILL\); "
                         r"rank 0 then lost its connection", last_line(err)), err
 
 
@@ -153,6 +153,6 @@ def test_ctrl_c_writes_a_checkpoint_and_prints_the_continue_command(tmp_path, ti
     step = json.loads((run_dir / "model" / "last" / ".complete").read_text())["step"]
     assert step >= 3
     lines = err.strip().splitlines()
-    assert lines[-2] == (f"pimm: stopped by SIGINT: wrote the checkpoint of step {step} ({run_dir / 'model' / 'last'})"
-                         " (exit status 75)"), err
+    assert lines[-2] == (f"pimm: interrupted by SIGINT: wrote the checkpoint of step {step} "
+                         f"({run_dir / 'model' / 'last'}) (exit status 75)"), err
     assert lines[-1] == f"pimm: continue with: pimm launch --train.resume {run_dir} --resources.nproc-per-node 2"

@@ -46,6 +46,7 @@ from pimm.checkpoint.layout import (
 )
 from pimm.checkpoint.weights import save
 from pimm.distributed.env import broadcast_from_rank0
+from pimm.launch.run_dir import os_error_reason, storage_error
 
 log = logging.getLogger("pimm")
 # single-process runs save without a process group on purpose
@@ -147,7 +148,9 @@ class CheckpointManager:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise error
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"checkpoint write failed: {error}") from error
 
     def _write_guarded(self, *args) -> None:
         try:
@@ -156,13 +159,16 @@ class CheckpointManager:
             self._error = exc
 
     def _write(self, staging: Path, step: int, model_state: dict | None, trainer_state: dict) -> None:
-        """Write and promote one checkpoint; CheckpointError (one line: step, directory, reason) when
-        it fails, after rank 0 removed the unfinished directory (which frees the space it took)."""
+        """Write and promote one checkpoint. When that fails, rank 0 removes the unfinished directory
+        (which frees the space it took); a full disk or a failed DCP write (every rank's errors with
+        their tracebacks) becomes one line: CheckpointError naming the step, the directory, the reason."""
         try:
             self._write_and_promote(staging, step, model_state, trainer_state)
         except (Exception, CheckpointException) as exc:  # DCP's gathered errors are a BaseException
             if self.rank == 0:  # every rank is past its DCP writes: the collective reported the failure to all
                 shutil.rmtree(staging, ignore_errors=True)
+            if storage_error(exc) is None and not isinstance(exc, CheckpointException):
+                raise
             raise CheckpointError(f"cannot write the checkpoint of step {step} to {staging}: {_why(exc)}") from exc
 
     def _write_and_promote(self, staging: Path, step: int, model_state: dict | None, trainer_state: dict) -> None:
@@ -268,8 +274,6 @@ class CheckpointManager:
 def _why(exc: BaseException) -> str:
     """The reason of a failed write in a few words: the disk's ('no space left on device'), else
     the first line of the error (DCP gathers every rank's errors with their tracebacks)."""
-    from pimm.launch.run_dir import os_error_reason, storage_error
-
     full = storage_error(exc)
     if full is not None:
         return os_error_reason(full)

@@ -226,7 +226,7 @@ def failure_summary(failures: list[dict], errors: dict[int, str], run_dir: Path)
     who = f"rank {rank}" + (f" (pid {first['pid']}, local rank {first['local_rank']} on {first['host']})"
                             if "pid" in first else "")
     if first["exitcode"] < 0:
-        line = f"{who} was killed by {first['signal']}"
+        line = f"{who} was killed by signal {-first['exitcode']} ({first['signal']})"
     elif errors.get(rank):
         line = f"rank {rank} failed: {' '.join(errors[rank].split())}"
     else:
@@ -265,7 +265,7 @@ def _report_stopped(plan, signal_name: str | None, outcome: str, checkpoint, sta
     if status == EXIT_SECOND_SIGNAL:
         what = f"stopped at once by a second {name}"
     elif outcome.startswith("interrupted") and checkpoint is not None:
-        what = f"stopped by {name}: wrote the checkpoint of step {checkpoint.step} ({checkpoint.path})"
+        what = f"{outcome}: wrote the checkpoint of step {checkpoint.step} ({checkpoint.path})"
         lines = lines[1:]
     else:
         what = f"stopped by {name} before this attempt wrote a checkpoint"

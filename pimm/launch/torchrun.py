@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             except OSError:
                 pass  # then say it here
         for f in first_causes(failures, {}):
-            how = f"was killed by {f['signal']}" if f["exitcode"] < 0 else f"exited with status {f['exitcode']}"
+            how = (f"was killed by signal {-f['exitcode']} ({f['signal']})" if f["exitcode"] < 0
+                   else f"exited with status {f['exitcode']}")
             print(f"torchrun: rank {f['rank']} (local rank {f['local_rank']}, pid {f['pid']}) {how}", file=sys.stderr)
         return 1
     return 0
