@@ -10,7 +10,7 @@ from pimm.errors import EXIT_BAD_INPUT, PimmError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pimm.cli import bench, data, export, launch, ls, show, submit, validate_scaling
+    from pimm.cli import bench, data, evaluate, export, launch, ls, show, submit, validate_scaling
 
     parser = argparse.ArgumentParser(
         prog="pimm",
@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pimm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>", required=True)
-    for module in (launch, submit, ls, data, bench, validate_scaling, export, show):
+    for module in (launch, submit, ls, data, bench, validate_scaling, export, show, evaluate):
         module.add_parser(sub)
     return parser
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, overrides = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
     args.overrides = overrides
-    if overrides and args.command not in ("launch", "submit", "bench", "validate-scaling"):
+    if overrides and args.command not in ("launch", "submit", "bench", "validate-scaling", "test"):
         print(f"pimm: error: `pimm {args.command}` takes no `-- key=value` overrides", file=sys.stderr)
         return 2
     try:
