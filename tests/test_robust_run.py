@@ -16,6 +16,8 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,37 +124,61 @@ def test_a_disk_that_fills_during_training_ends_with_one_line_and_the_run_resume
         assert not list(model.glob(".tmp-*"))
 
 
-def test_kill_9_of_rank_1_is_named_as_the_cause(tmp_path, tiny_data):
-    exp = tmp_path / "exp"
-    proc = start_launch(exp, tiny_data, 2, "epochs=50")
-    run_dir = exp / "tests" / "run"
-    try:
-        wait_for_run(proc, lambda: metrics_lines(run_dir) >= 2)
-        log = (run_dir / "logs" / "rank1.log").read_text()
-        pid = int(re.search(r"rank 1 pid (\d+)", log).group(1))
-        os.kill(pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        kill_run(proc, run_dir)
-    assert proc.returncode == 1, err
-    assert re.fullmatch(rf"pimm: rank 1 \(pid {pid}, local rank 1 on \S+\) was killed by signal 9 \(SIGKILL\); "
-                        r"rank 0 then lost its connection", last_line(err)), err
-
-
-def test_ctrl_c_writes_a_checkpoint_and_prints_the_continue_command(tmp_path, tiny_data):
+def disturbed_run(tmp_path, tiny_data, disturb) -> tuple[int, str, Path]:
+    """A long 2-rank run of the tiny config; once it has logged 3 steps, `disturb(run_dir, launcher)`;
+    returns (exit status, stderr, run directory) once it has ended."""
     exp = tmp_path / "exp"
     proc = start_launch(exp, tiny_data, 2, "epochs=50")
     run_dir = exp / "tests" / "run"
     try:
         wait_for_run(proc, lambda: metrics_lines(run_dir) >= 3)
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: to pimm launch and torchrun
-        out, err = proc.communicate(timeout=120)
+        disturb(run_dir, proc)
+        _, err = proc.communicate(timeout=120)
     finally:
         kill_run(proc, run_dir)
-    assert proc.returncode == 75, err
+    return proc.returncode, err, run_dir
+
+
+def test_kill_9_of_rank_1_is_named_as_the_cause(tmp_path, tiny_data):
+    killed = []
+
+    def kill_rank_1(run_dir: Path, _launcher) -> None:
+        log = (run_dir / "logs" / "rank1.log").read_text()
+        killed.append(int(re.search(r"rank 1 pid (\d+)", log).group(1)))
+        os.kill(killed[0], signal.SIGKILL)
+
+    status, err, _ = disturbed_run(tmp_path, tiny_data, kill_rank_1)
+    assert status == 1, err
+    assert re.fullmatch(rf"pimm: rank 1 \(pid {killed[0]}, local rank 1 on \S+\) was killed by signal 9 \(SIGKILL\); "
+                        r"rank 0 then lost its connection", last_line(err)), err
+
+
+def test_ctrl_c_writes_a_checkpoint_and_prints_the_continue_command(tmp_path, tiny_data):
+    # what a terminal does: SIGINT to its foreground group, pimm launch and torchrun
+    status, err, run_dir = disturbed_run(tmp_path, tiny_data, lambda _run_dir, proc: os.killpg(proc.pid, signal.SIGINT))
+    assert status == 75, err
     step = json.loads((run_dir / "model" / "last" / ".complete").read_text())["step"]
     assert step >= 3
     lines = err.strip().splitlines()
     assert lines[-2] == (f"pimm: interrupted by SIGINT: wrote the checkpoint of step {step} "
                          f"({run_dir / 'model' / 'last'}) (exit status 75)"), err
     assert lines[-1] == f"pimm: continue with: pimm launch --train.resume {run_dir} --resources.nproc-per-node 2"
+
+
+def test_a_second_ctrl_c_after_the_grace_time_kills_torchrun_at_once():
+    from pimm.signals import GRACE_S, StopForwarder
+
+    # stands in for torchrun busy with its graceful shutdown: it ignores the first SIGINT
+    code = "import signal,time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('ready', flush=True); time.sleep(9)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        with StopForwarder(child) as stops:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert child.poll() is None and stops.signal_name == "SIGINT" and not stops.killed
+            time.sleep(GRACE_S + 0.2)
+            os.kill(os.getpid(), signal.SIGINT)
+            assert child.wait(timeout=10) == -signal.SIGKILL and stops.killed
+    finally:
+        child.kill()
+        child.wait()
