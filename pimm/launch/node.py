@@ -129,7 +129,7 @@ def train_on_this_node(plan, lock_fd: int | None, node_rank: int = 0) -> int:
         if report_dir is not None:
             shutil.rmtree(report_dir, ignore_errors=True)
     checkpoint = _newest_checkpoint(run_dir)
-    stopped = stops.killed or status == EXIT_CHECKPOINTED or (stops.signal_name and status != 0 and not errors)
+    stopped = stops.killed or status == EXIT_CHECKPOINTED or bool(stops.signal_name and status != 0 and not errors)
     if stops.killed:
         status = EXIT_SECOND_SIGNAL
     elif stopped and checkpoint is not None:
