@@ -12,6 +12,8 @@ from conftest import REPO, launch, run_pimm
 
 from pimm.engine.metrics import metrics_from_confusion
 
+TRAINING_OUTPUT: dict = {}
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_data):
@@ -19,6 +21,7 @@ def trained(tmp_path_factory, tiny_data):
     res, run_dir = launch(tmp_path_factory.mktemp("eval"), tiny_data, 1, "max_steps=4",
                           f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}", name="evalrun")
     assert res.returncode == 0, res.stderr
+    TRAINING_OUTPUT[run_dir] = res.stdout
     return run_dir
 
 
@@ -96,3 +99,15 @@ def test_bad_input_exits_2_with_one_line(trained, tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("pimm: error:"), res.stderr
     assert {"no_checkpoint": "step_999", "no_test_data": "data.test={type: LArTPCDataset",
             "finished_out": "--out", "scores_alone": "--save-predictions"}[case] in lines[0]
+
+
+def test_a_finished_run_with_a_test_set_ends_with_its_test(trained, tmp_path, tiny_data):
+    """test_after_training (the default): the launch that finished training ran `pimm test` of the
+    best model into RUN/eval/test-best; with test_after_training=false it does not."""
+    assert "pimm test: mIoU" in TRAINING_OUTPUT[trained]
+    metrics = json.loads((trained / "eval" / "test-best" / "test_metrics.json").read_text())
+    assert metrics["events"] == 12 and metrics["checkpoint"] == "best"
+    res, run_dir = launch(tmp_path, tiny_data, 1, "max_steps=1", "test_after_training=false",
+                          f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}", name="notest")
+    assert res.returncode == 0, res.stderr
+    assert "pimm test" not in res.stdout and not (run_dir / "eval").exists()

@@ -25,6 +25,7 @@ scheduler = None  # None: constant learning rate
 log_every = 10  # optimizer steps between train log lines / metrics records
 eval_every_epochs = 1
 log_event_ids = False  # write the event ids of every step to logs/event_ids_rank*.jsonl
+test_after_training = True  # a finished run with data.test set ends with `pimm test` of model_best (RUN/eval/)
 validate_only = False  # True: evaluate the --train.weight weights once; no training, no checkpoint
 tensorboard = dict(enabled=False)  # True: rank 0 also writes the metrics records as scalars to RUN_DIR/tensorboard/
 # True: rank 0 also logs them to Weights & Biases, offline, in RUN_DIR/wandb/ (upload later: wandb sync)

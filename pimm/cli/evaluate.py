@@ -133,3 +133,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"pimm test: mIoU {num(m['miou'])} mAcc {num(m['macc'])} allAcc {num(m['allacc'])} over {m['events']} "
           f"events ({m['points']} points); results in {out}")
     return 0
+
+
+def test_after_training(run_dir: Path, nproc: int) -> int:
+    """The end of a finished run whose config has data.test (and test_after_training, the default):
+    `pimm test` of model_best.pth (last without one) on the run's processes; its exit status."""
+    print(f"\npimm: testing the run on data.test (test_after_training=true): pimm test --run-dir {run_dir}", flush=True)
+    args = argparse.Namespace(run_dir=run_dir, checkpoint=None, split="test", nproc_per_node=str(nproc), out=None,
+                              save_predictions=False, save_scores=False, overrides=[])
+    try:
+        return run(args)
+    except PimmError as exc:
+        print(f"pimm test: error: {exc}", file=sys.stderr)
+        return 1

@@ -148,6 +148,7 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
     ("save_iter_snapshots", OPTIONAL, BOOL),
     ("resume_strict_state", OPTIONAL, BOOL),
     ("validate_only", OPTIONAL, BOOL),
+    ("test_after_training", OPTIONAL, BOOL),
     ("tensorboard", OPTIONAL, optional(DICT, "off")),
     ("tensorboard.enabled", OPTIONAL, BOOL),
     ("wandb", OPTIONAL, optional(DICT, "off")),

@@ -581,6 +581,7 @@ class Trainer:
             "steps": self.state.step,
             "epochs_completed": self.state.epoch,
             "world_size": self.env.world_size,
+            "validate_only": self.validate_only,
             "final_val": final,
             "best_metric": self.task.best_metric,
             "best_value": self.state.best_metric if math.isfinite(self.state.best_metric) else None,

@@ -142,6 +142,11 @@ def train_on_this_node(plan, lock_fd: int | None, node_rank: int = 0) -> int:
         _report_failure(plan, status, failures, errors, checkpoint)
     else:
         _report_success(run_dir)
+        cfg = plan.cfg
+        if cfg["data"].get("test") and cfg.get("test_after_training", True) and not cfg.get("validate_only"):
+            from pimm.cli.evaluate import test_after_training
+
+            status = test_after_training(run_dir, plan.nproc_per_node)
     return status
 
 
@@ -294,9 +299,14 @@ def _report_success(run_dir: Path) -> None:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     final = summary.get("final_val") or {}
-    print("\npimm: training finished")
+    validate_only = bool(summary.get("validate_only"))
+
+    def num(value) -> str:  # pimm.json_io writes a non-finite metric as null
+        return "null (not finite)" if value is None else f"{value:.4f}"
+
+    print("\npimm: validation finished" if validate_only else "\npimm: training finished")
     if final:
-        print(f"  validation mIoU  {final['miou']:.4f} (loss {final['loss']:.4f}, {final['events']} events)")
+        print(f"  validation mIoU  {num(final.get('miou'))} (loss {num(final.get('loss'))}, {final['events']} events)")
     print(f"  run directory    {run_dir}")
     print(f"  config           {run_dir / 'config.py'}")
     print(f"  logs             {run_dir / 'logs'}/rank*.log")
