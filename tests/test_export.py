@@ -140,5 +140,5 @@ def test_export_errors(capsys, tmp_path, run_dir):
     weights = broken / "model/step_00000006/weights.pth"
     weights.write_bytes(weights.read_bytes()[:100])
     code, text = export(capsys, "--run-dir", broken, "--checkpoint", "step_6", tmp_path / "c")
-    assert code == 2 and "corrupt checkpoint file" in text and "export another checkpoint" in text
+    assert code == 2 and "corrupt checkpoint file" in text and "choose another checkpoint" in text
     assert not (tmp_path / "c").exists()

@@ -49,8 +49,8 @@ def _split_config(cfg: dict, split: str) -> None:
 
 def prepare(args: argparse.Namespace) -> tuple[dict, dict, Path]:
     """Check everything before a process starts -> (config, eval spec, output directory)."""
+    from pimm.checkpoint.choose import choose_weights
     from pimm.checkpoint.layout import sha256_file
-    from pimm.cli.export import _choose
     from pimm.config import apply_overrides, load_config, parse_overrides
     from pimm.config.validate import check_config
     from pimm.data.event_file import validate_data
@@ -72,7 +72,7 @@ def prepare(args: argparse.Namespace) -> tuple[dict, dict, Path]:
     which = args.checkpoint
     if which is None:
         which = "best" if (run_dir / "model" / "model_best.pth").is_file() else "last"
-    weights, step = _choose(run_dir, which)
+    weights, step = choose_weights(run_dir, which)
     out = args.out or run_dir / "eval" / f"{args.split}-{which}"
     if (out / "test_metrics.json").exists():
         raise PimmError(f"{out} already holds a finished evaluation (test_metrics.json); results are never "

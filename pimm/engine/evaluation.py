@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     from pimm.engine.logs import setup_logging
-    from pimm.engine.worker import _failure_text, _write_error
+    from pimm.engine.worker import failure_text, write_error
     from pimm.signals import die_with_parent
 
     die_with_parent()  # no rank outlives torchrun
@@ -272,13 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         if isinstance(exc, (SystemExit, GeneratorExit)):
             raise
-        text = _failure_text(exc, out, rank)
+        text = failure_text(exc, out, rank)
         log.error("%s", text)
         with contextlib.suppress(OSError), open(out / "logs" / f"rank{rank}.log", "a", encoding="utf-8") as fh:
             import traceback
 
             fh.write(traceback.format_exc())
-        _write_error(out, rank, text)
+        write_error(out, rank, text)
         return 1
 
 

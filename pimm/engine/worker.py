@@ -19,7 +19,7 @@ from pimm.errors import PimmError
 from pimm.launch.node import REPORT_DIR_ENV
 
 
-def _write_error(run_dir: Path, rank: int, text: str) -> None:
+def write_error(run_dir: Path, rank: int, text: str) -> None:
     """errors/rank{R}.txt in the run directory, and a copy in the launcher's local report folder
     (PIMM_REPORT_DIR), which still gets it when the run directory's disk is full."""
     folders = [run_dir / "errors"]
@@ -37,7 +37,7 @@ def _write_error(run_dir: Path, rank: int, text: str) -> None:
                 tmp.unlink(missing_ok=True)
 
 
-def _failure_text(exc: BaseException, run_dir: Path, rank: int) -> str:
+def failure_text(exc: BaseException, run_dir: Path, rank: int) -> str:
     """One line for the launcher: the first error pimm raised on purpose (a later one, e.g. while
     recording the failure on a full disk, is a consequence), else a full or read-only disk and
     the file it stopped, else the exception and where its traceback is."""
@@ -106,17 +106,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:
         log.error("interrupted")
-        _write_error(run_dir, rank, "interrupted (SIGINT)")
+        write_error(run_dir, rank, "interrupted (SIGINT)")
         return 130
     except BaseException as exc:  # PimmError: said for people; else a bug or the environment: traceback in the log
         if isinstance(exc, (SystemExit, GeneratorExit)):
             raise
-        text = _failure_text(exc, run_dir, rank)
+        text = failure_text(exc, run_dir, rank)
         log.error("%s", text)
         if not isinstance(exc, PimmError):
             with contextlib.suppress(OSError), open(run_dir / "logs" / f"rank{rank}.log", "a", encoding="utf-8") as fh:
                 fh.write(traceback.format_exc())
-        _write_error(run_dir, rank, text)
+        write_error(run_dir, rank, text)
         return 1
 
 
