@@ -26,9 +26,12 @@ def expected_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """tag -> [(step, value)] that metrics.jsonl says TensorBoard must show."""
     out: dict[str, list[tuple[int, float]]] = {}
     for rec in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
-        keys = ("loss", "lr", "events_per_s") if rec["kind"] == "train" else ("loss", "miou", "accuracy")
+        keys = ("loss", "lr", "events_per_s") if rec["kind"] == "train" else ("loss", "miou", "macc", "allacc",
+                                                                             "accuracy")
         values = {f"{rec['kind']}/{k}": rec[k] for k in keys}
-        values.update({f"val/iou/{n}": v for n, v in zip(NAMES, rec.get("iou", ()))})
+        values.update({f"val/{m}/{n}": v for m in ("iou", "precision", "recall", "f1")
+                       for n, v in zip(NAMES, rec.get(m, ()))})
+        values = {tag: v for tag, v in values.items() if v is not None}  # null in metrics.jsonl: not a scalar
         for tag, value in values.items():
             out.setdefault(tag, []).append((rec["step"], value))
     return out

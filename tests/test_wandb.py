@@ -88,10 +88,12 @@ def expected_rows(run_dir: Path) -> dict[int, dict]:
     """step -> {scalar: value} that metrics.jsonl says W&B must hold."""
     rows: dict[int, dict] = {}
     for rec in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
-        keys = ("loss", "lr", "events_per_s") if rec["kind"] == "train" else ("loss", "miou", "accuracy")
-        row = rows.setdefault(rec["step"], {})
-        row.update({f"{rec['kind']}/{k}": rec[k] for k in keys})
-        row.update({f"val/iou/{n}": v for n, v in zip(NAMES, rec.get("iou", ()))})
+        keys = ("loss", "lr", "events_per_s") if rec["kind"] == "train" else ("loss", "miou", "macc", "allacc",
+                                                                             "accuracy")
+        values = {f"{rec['kind']}/{k}": rec[k] for k in keys}
+        values.update({f"val/{m}/{n}": v for m in ("iou", "precision", "recall", "f1")
+                       for n, v in zip(NAMES, rec.get(m, ()))})
+        rows.setdefault(rec["step"], {}).update({tag: v for tag, v in values.items() if v is not None})
     return rows
 
 

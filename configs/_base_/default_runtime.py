@@ -24,6 +24,7 @@ scheduler = None  # None: constant learning rate
 
 log_every = 10  # optimizer steps between train log lines / metrics records
 eval_every_epochs = 1
+eval_every_n_steps = None  # also validate (then checkpoint) after every N-th optimizer step, mid-epoch
 log_event_ids = False  # write the event ids of every step to logs/event_ids_rank*.jsonl
 test_after_training = True  # a finished run with data.test set ends with `pimm test` of model_best (RUN/eval/)
 validate_only = False  # True: evaluate the --train.weight weights once; no training, no checkpoint

@@ -102,6 +102,7 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
     ("grad_accum_steps", OPTIONAL, integer(1, " (1: no accumulation)")),  # divisibility: pimm.distributed.batch
     ("log_every", REQUIRED, integer(1)),
     ("eval_every_epochs", REQUIRED, integer(1)),
+    ("eval_every_n_steps", OPTIONAL, optional(integer(1), "validate at epoch ends only")),
     ("log_event_ids", OPTIONAL, BOOL),
     ("model", REQUIRED, component("model", names.MODELS)),
     ("model.type", REQUIRED, one_of(names.MODELS)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import uuid
 from pathlib import Path
@@ -51,17 +52,26 @@ def setup_logging(log_dir: Path, rank: int) -> logging.Logger:
     return logger
 
 
-SCALAR_KEYS = {"train": ("loss", "lr", "events_per_s"), "val": ("loss", "miou", "accuracy")}
+SCALAR_KEYS = {"train": ("loss", "lr", "events_per_s"), "val": ("loss", "miou", "macc", "allacc", "accuracy")}
+PER_CLASS_KEYS = ("iou", "precision", "recall", "f1")  # lists of one value per class in a val record
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def record_scalars(record: dict, class_names: list[str] | None = None) -> dict[str, float]:
     """The numbers of one metrics record by scalar name: `<kind>/<key>` (`train/loss`, `val/miou`)
-    and one `val/iou/<class name>` per class. Both scalar sinks name their curves with this."""
+    and one `val/<metric>/<class name>` per class and per-class metric (`val/iou/track`,
+    `val/f1/shower`). Values that are not finite numbers (metrics.jsonl holds them as null: a
+    class with no points, a diverged loss) are left out. Both scalar sinks name their curves with this."""
     kind = record["kind"]
-    out = {f"{kind}/{key}": record[key] for key in SCALAR_KEYS.get(kind, ()) if key in record}
-    for i, iou in enumerate(record.get("iou") or ()):
-        name = class_names[i] if class_names and i < len(class_names) else str(i)
-        out[f"{kind}/iou/{name}"] = iou
+    out = {f"{kind}/{key}": record[key] for key in SCALAR_KEYS.get(kind, ()) if _finite(record.get(key))}
+    for metric in PER_CLASS_KEYS:
+        for i, value in enumerate(record.get(metric) or ()):
+            if _finite(value):
+                name = class_names[i] if class_names and i < len(class_names) else str(i)
+                out[f"{kind}/{metric}/{name}"] = value
     return out
 
 

@@ -125,6 +125,7 @@ class Trainer:
         # model, optimizer, scheduler, progress and RNG, handed to the checkpoint as stateful objects
         self.checkpoint_components = checkpoint_components(self)
         self.checkpoint_every = cfg.get("checkpoint_every_n_steps")
+        self.eval_every_n_steps = int(cfg.get("eval_every_n_steps") or 0)  # 0: at epoch ends only
         self.stop = stop or StopRequest()
         if env.distributed and env.device.type != "cpu":
             # stop flags on a CPU group of their own: reading one never syncs the device (on CPU
@@ -242,7 +243,8 @@ class Trainer:
                 self.state.epoch += 1
                 self.state.samples_in_epoch = 0
             last = self.state.epoch >= epochs or self.state.step >= self.total_steps
-            if self.val_set is not None and (last or self.state.epoch % int(self.cfg["eval_every_epochs"]) == 0):
+            epoch_end_validation = last or self.state.epoch % int(self.cfg["eval_every_epochs"]) == 0
+            if self.val_set is not None and (epoch_end_validation or self._validates_at(self.state.step)):
                 final = self.evaluate()
                 self._save_best(final)
             self.save_checkpoint()
@@ -410,7 +412,11 @@ class Trainer:
                 self._log_train(window_loss, time.perf_counter() - window_start, progress)
                 window_loss.zero_()
                 window_start = time.perf_counter()
-            if self.checkpoint_every and self.state.step % int(self.checkpoint_every) == 0:
+            if self._validates_mid_epoch():
+                self._save_best(self.evaluate())
+                self.save_checkpoint()  # a stop right after this validation loses nothing
+                self.module.train()
+            elif self.checkpoint_every and self.state.step % int(self.checkpoint_every) == 0:
                 self.save_checkpoint()
             if self.stop.agreed() or self._interrupt_at == self.state.step:
                 if progress is not None:
@@ -420,6 +426,17 @@ class Trainer:
                 break
         if progress is not None:
             progress.close()
+
+    def _validates_at(self, step: int) -> bool:
+        """eval_every_n_steps: a validation after every N-th optimizer step (fixed by the step alone,
+        so the same steps at any world size and across resumes)."""
+        return bool(self.eval_every_n_steps) and self.val_set is not None and step % self.eval_every_n_steps == 0
+
+    def _validates_mid_epoch(self) -> bool:
+        """Validate now, inside the epoch? The epoch's and the run's last step validate at the
+        epoch's end (_fit_loop), once."""
+        epoch_done = self.state.samples_in_epoch >= self.steps_per_epoch * self.plan.global_batch_size
+        return self._validates_at(self.state.step) and not epoch_done and self.state.step < self.total_steps
 
     def _stop_with_checkpoint(self) -> None:
         """Every rank at the same step: write a complete checkpoint, wait until rank 0 has promoted
