@@ -10,7 +10,7 @@ from pimm.errors import EXIT_BAD_INPUT, PimmError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pimm.cli import bench, data, evaluate, export, launch, ls, show, submit, validate_scaling
+    from pimm.cli import bench, data, evaluate, export, launch, ls, predict, show, submit, validate_scaling
 
     parser = argparse.ArgumentParser(
         prog="pimm",
@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pimm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>", required=True)
-    for module in (launch, submit, ls, data, bench, validate_scaling, export, show, evaluate):
+    for module in (launch, submit, ls, data, bench, validate_scaling, export, show, evaluate, predict):
         module.add_parser(sub)
     return parser
 

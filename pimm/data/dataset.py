@@ -42,6 +42,8 @@ from pimm.registry import Registry
 __all__ = ["DATASETS", "LArTPCDataset", "PILArNetDataset", "build_dataset", "validate_event_file"]
 
 DATASETS = Registry("dataset")
+# open_pilarnet's label range with labels=False: any class number passes (-1 is "no label" in the format)
+UNCHECKED_CLASSES = 2**62
 log = logging.getLogger("pimm")
 
 
@@ -65,7 +67,8 @@ class LArTPCDataset(Dataset):
     the drift (x) axis, energy scale and coordinate jitter depend only on (seed, epoch, index).
     With `skip_nonfinite`, events with a non-finite coordinate or energy are left out (the file is
     read once to find them; without it the launcher has refused such a file); the index is then
-    over the remaining events, in stored order.
+    over the remaining events, in stored order. With `labels=False` (prediction) the file may lack
+    `segment`; every event's segment is then -1 (no label, which collation still expects).
     The HDF5 file is opened lazily in each process (never across a fork, never pickled).
     """
 
@@ -79,13 +82,16 @@ class LArTPCDataset(Dataset):
         max_len: int | None = None,
         energy_scale: float = 1.0,
         skip_nonfinite: bool = False,
+        labels: bool = True,
     ) -> None:
         _check_options(seed, max_len, energy_scale=energy_scale)
+        self.labels = bool(labels)
         if skip_nonfinite:
-            self.info, offsets, self.class_names, stored = select_events(path, skip_nonfinite=True)
+            self.info, offsets, self.class_names, stored = select_events(path, skip_nonfinite=True,
+                                                                         labels=self.labels)
             _log_dropped(self.info)
         else:
-            self.info, offsets, self.class_names = _read_index(path)
+            self.info, offsets, self.class_names = _read_index(path, self.labels)
             stored = None
         self.path = self.info["path"]
         n = self.info["num_events"] if max_len is None else min(int(max_len), self.info["num_events"])
@@ -118,14 +124,16 @@ class LArTPCDataset(Dataset):
             self._h5.close()
         self._reset_handle()
 
-    def _open(self) -> tuple[h5py.Dataset, h5py.Dataset, h5py.Dataset]:
-        """This process's (coord, energy, segment) datasets, opening the file on first use."""
+    def _open(self) -> tuple[h5py.Dataset, h5py.Dataset, h5py.Dataset | None]:
+        """This process's (coord, energy, segment) datasets (segment None: an unlabelled file read
+        with labels=False), opening the file on first use."""
         if self._arrays is None or self._pid != os.getpid():
             # a handle inherited through fork shares HDF5 state with the parent: open our own
             self._reset_handle()
             try:
                 self._h5 = h5py.File(self.path, **_OPEN_KW)
-                self._arrays = (self._h5["coord"], self._h5["energy"], self._h5["segment"])
+                segment = self._h5["segment"] if self.labels else None
+                self._arrays = (self._h5["coord"], self._h5["energy"], segment)
             except _H5_ERRORS as exc:
                 raise _fail(Path(self.path), f"cannot be reopened ({exc}); was it changed after loading?") from exc
             self._pid = os.getpid()
@@ -149,13 +157,15 @@ class LArTPCDataset(Dataset):
         return epoch, index
 
     def read_raw(self, index: int) -> dict[str, np.ndarray]:
-        """Event `index` as stored: coord (N,3) float32, energy (N,) float32, segment (N,) uint8."""
+        """Event `index` as stored: coord (N,3) float32, energy (N,) float32, segment (N,) uint8
+        (int64 -1 everywhere with labels=False)."""
         coord_ds, energy_ds, segment_ds = self._open()
         stored = index if self.stored is None else int(self.stored[index])
         a, b = int(self.offsets[stored]), int(self.offsets[stored + 1])
         try:
             # one contiguous slice per array: random access costs one or two chunk reads
-            return {"coord": coord_ds[a:b], "energy": energy_ds[a:b], "segment": segment_ds[a:b]}
+            segment = segment_ds[a:b] if segment_ds is not None else np.full(b - a, -1, np.int64)
+            return {"coord": coord_ds[a:b], "energy": energy_ds[a:b], "segment": segment}
         except _H5_ERRORS as exc:
             raise _fail(Path(self.path), f"event {stored} (rows {a}:{b}) is unreadable: {exc}") from exc
 
@@ -218,7 +228,8 @@ class PILArNetDataset(LArTPCDataset):
     `skip_nonfinite` those with a non-finite coordinate or energy (found by the same index). `volume_size` is
     the side of the cube the coordinates fill (768 voxels in PILArNet-M). With
     `pid_unlabelled_as_none`, pid -1 (the low-energy deposits of PILArNet-M v2) becomes class 5
-    "none", as in Pointcept's PILArNet reader. Shards are opened lazily, one handle per shard
+    "none", as in Pointcept's PILArNet reader. With `labels=False` (prediction) segment is -1
+    everywhere and the labels are not checked. Shards are opened lazily, one handle per shard
     and process, never across a fork.
     """
 
@@ -238,11 +249,14 @@ class PILArNetDataset(LArTPCDataset):
         pid_unlabelled_as_none: bool = False,
         remove_low_energy_scatters: bool = False,
         skip_nonfinite: bool = False,
+        labels: bool = True,
     ) -> None:
         _check_options(seed, max_len, energy_scale=energy_scale, volume_size=volume_size)
+        self.labels = bool(labels)
         self.info, shards, rows = open_pilarnet(path, split, revision, label, min_points, energy_threshold,
                                                 remove_low_energy_scatters=remove_low_energy_scatters,
-                                                skip_nonfinite=bool(skip_nonfinite))
+                                                skip_nonfinite=bool(skip_nonfinite),
+                                                num_classes=None if labels else UNCHECKED_CLASSES)
         _log_dropped(self.info)
         self.cut = (float(energy_threshold), bool(remove_low_energy_scatters))
         self.path = self.info["path"]
@@ -306,8 +320,8 @@ class PILArNetDataset(LArTPCDataset):
         except _H5_ERRORS as exc:
             raise DataError(f"PILArNet file {path}: event {row} is unreadable: {exc}") from exc
         point, cluster = event_arrays(path, row, point_row, cluster_row, self.revision)
-        segment = point_labels(cluster, self.label)
-        if self.pid_unlabelled_as_none and self.label == "pid":
+        segment = point_labels(cluster, self.label) if self.labels else np.full(len(point), IGNORE_LABEL, np.int64)
+        if self.labels and self.pid_unlabelled_as_none and self.label == "pid":
             segment[segment == IGNORE_LABEL] = PID_NAMES.index("none")
         keep = kept_points(point, cluster, self.cut)
         kept = point if keep is None else point[keep]

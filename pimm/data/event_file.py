@@ -50,8 +50,9 @@ def _fail(path: Path, problem: str, todo: str | None = None) -> DataError:
     return DataError(f"event file {path}: {problem}; {todo or f'regenerate it with {synth_command(path)}'}")
 
 
-def _read_index(path: str | Path) -> tuple[dict[str, Any], np.ndarray, list[str]]:
-    """Validate an event file; return (identity dict, offsets array, class names). Closes the file."""
+def _read_index(path: str | Path, labels: bool = True) -> tuple[dict[str, Any], np.ndarray, list[str]]:
+    """Validate an event file; return (identity dict, offsets array, class names). With
+    `labels=False` (prediction) a file without a `segment` dataset is valid too. Closes the file."""
     given = Path(path)
     path = given.absolute()
     if not path.exists():
@@ -87,7 +88,13 @@ def _read_index(path: str | Path) -> tuple[dict[str, Any], np.ndarray, list[str]
                     f"use the pimm that wrote it or regenerate it with {synth_command(path)}",
                 )
             num_events = int(f.attrs["num_events"])
+            has_labels = "segment" in f
+            if not has_labels and labels:
+                raise _fail(path, "has no labels (no 'segment' dataset); evaluation needs labelled events",
+                            "give a labelled file, or get predictions without metrics with `pimm predict`")
             for name, (ndim, tail, kind) in _REQUIRED_DATASETS.items():
+                if name == "segment" and not has_labels:
+                    continue
                 if name not in f:
                     raise _fail(path, f"not a pimm event file: dataset '{name}' is missing")
                 d = f[name]
@@ -100,7 +107,8 @@ def _read_index(path: str | Path) -> tuple[dict[str, Any], np.ndarray, list[str]
                         f"dataset '{name}' has dtype {d.dtype}, expected {_KIND_NAMES[kind]} ({_DTYPES[name].name})",
                     )
             rows = f["coord"].shape[0]
-            for name in ("energy", "segment"):
+            columns = ("coord", "energy", "segment") if has_labels else ("coord", "energy")
+            for name in columns[1:]:
                 if f[name].shape[0] != rows:
                     raise _fail(path, f"dataset '{name}' has {f[name].shape[0]} rows but 'coord' has {rows}")
             if num_events < 1:
@@ -117,7 +125,7 @@ def _read_index(path: str | Path) -> tuple[dict[str, Any], np.ndarray, list[str]
                 )
             if rows:
                 # touch the last chunk of each array: catches data lost after the metadata was written
-                for name in ("coord", "energy", "segment"):
+                for name in columns:
                     f[name][rows - 1]
             raw_names = f.attrs.get("class_names", json.dumps(list(CLASS_NAMES)))
             class_names = json.loads(raw_names.decode() if isinstance(raw_names, bytes) else raw_names)
@@ -138,26 +146,27 @@ def _read_index(path: str | Path) -> tuple[dict[str, Any], np.ndarray, list[str]
 
 
 def validate_event_file(path: str | Path, num_classes: int | None = None, ignore_index: int = -1,
-                        skip_nonfinite: bool = False) -> dict[str, Any]:
+                        skip_nonfinite: bool = False, labels: bool = True) -> dict[str, Any]:
     """Check that `path` is a readable pimm event file whose coordinates and energies are all
     finite; return {path, size_bytes, num_events, content_hash, format_version, ...}. With
     `num_classes`, also check that every label is in 0..num_classes-1 or is `ignore_index`. With
     `skip_nonfinite`, events with a non-finite value are left out instead (`select_events`).
+    With `labels=False` (prediction) labels are neither required nor checked.
     Raises DataError saying what is wrong. Leaves no file open."""
-    return select_events(path, skip_nonfinite, num_classes, ignore_index)[0]
+    return select_events(path, skip_nonfinite, num_classes, ignore_index, labels)[0]
 
 
-def select_events(path: str | Path, skip_nonfinite: bool, num_classes: int | None = None,
-                  ignore_index: int = -1) -> tuple[dict[str, Any], np.ndarray, list[str], np.ndarray]:
+def select_events(path: str | Path, skip_nonfinite: bool, num_classes: int | None = None, ignore_index: int = -1,
+                  labels: bool = True) -> tuple[dict[str, Any], np.ndarray, list[str], np.ndarray]:
     """(info, offsets, class names, stored indices of the events used) of a pimm event file, after
     one pass over its points (`_scan_points`). An event with a non-finite coordinate or energy is a
     DataError naming the file, event and column, or with `skip_nonfinite` is left out: info's
     num_events counts the events used, nonfinite_dropped those left out, and its content_hash then
-    also covers which ones (a resume checks it)."""
-    info, offsets, class_names = _read_index(path)
+    also covers which ones (a resume checks it). `labels=False`: see `_read_index`."""
+    info, offsets, class_names = _read_index(path, labels)
     path = Path(info["path"])
     index = _points_index(path, offsets, info["content_hash"])
-    if num_classes is not None:
+    if num_classes is not None and labels:
         _check_labels(path, offsets, index, num_classes, ignore_index)
     bad = index["nonfinite_events"]
     events = np.arange(info["num_events"], dtype=np.int64)
@@ -245,13 +254,15 @@ def _scan_points(path: Path, offsets: np.ndarray) -> dict[str, np.ndarray]:
     bad_rows, first, labels = [], np.zeros(0), {}
     try:
         with h5py.File(path, **_OPEN_KW) as f:
-            coord_ds, energy_ds, segment_ds = f["coord"], f["energy"], f["segment"]
-            for lo in range(0, segment_ds.shape[0], _LABEL_SCAN_ROWS):
-                segment = segment_ds[lo : lo + _LABEL_SCAN_ROWS]
-                present = (np.flatnonzero(np.bincount(segment)) if segment.dtype.itemsize <= 2
-                           else np.unique(segment))  # bincount is fastest, but sized by the largest value
-                for value in present[[int(v) not in labels for v in present]]:
-                    labels[int(value)] = lo + int(np.argmax(segment == value))
+            coord_ds, energy_ds = f["coord"], f["energy"]
+            segment_ds = f.get("segment")  # None: an unlabelled file (prediction)
+            for lo in range(0, coord_ds.shape[0], _LABEL_SCAN_ROWS):
+                if segment_ds is not None:
+                    segment = segment_ds[lo : lo + _LABEL_SCAN_ROWS]
+                    present = (np.flatnonzero(np.bincount(segment)) if segment.dtype.itemsize <= 2
+                               else np.unique(segment))  # bincount is fastest, but sized by the largest value
+                    for value in present[[int(v) not in labels for v in present]]:
+                        labels[int(value)] = lo + int(np.argmax(segment == value))
                 coord, energy = coord_ds[lo : lo + _LABEL_SCAN_ROWS], energy_ds[lo : lo + _LABEL_SCAN_ROWS]
                 finite = np.isfinite(coord)
                 bad = ~(finite.all(axis=1) & np.isfinite(energy))

@@ -12,6 +12,10 @@ eval.json (split, weights, flags) and config.py; rank 0 writes the results into 
     confusion.png      the row-normalised confusion matrix, annotated
     provenance.json    weights sha256, data identity, world size, strategy, pimm version, time
     predictions.h5     with --save-predictions (pimm.data.predictions; scores with --save-scores)
+
+`pimm predict` (pimm.cli.predict) starts the same entry point with a spec whose "predict" is true:
+the plain model over unlabelled events, every event once, and only the merged predictions file
+(no segment, no loss, no metrics) written to the spec's "out".
 """
 
 from __future__ import annotations
@@ -102,26 +106,30 @@ def point_index(dataset, index: int, count: int) -> np.ndarray:
     return np.arange(count, dtype=np.int32)
 
 
-def prediction_writer(path: Path, dataset, cfg: dict, split: str, save_scores: bool, attrs: dict):
-    """(PredictionWriter, on_batch callback adding each batch's events to it)."""
+def prediction_writer(path: Path, dataset, cfg: dict, split: str, save_scores: bool, attrs: dict,
+                      has_labels: bool = True):
+    """(PredictionWriter, on_batch callback adding each batch's events to it); without labels
+    (`pimm predict`) the file has no `segment`."""
     from pimm.data.predictions import PredictionWriter
 
     num_classes = int(cfg["data"]["num_classes"])
     names = list(cfg["data"].get("names") or [str(i) for i in range(num_classes)])
     sources, locate = prediction_sources(dataset)
     writer = PredictionWriter(path, num_classes=num_classes, class_names=names, split=split, sources=sources,
-                              save_scores=save_scores, attrs=attrs)
+                              save_scores=save_scores, has_labels=has_labels, attrs=attrs)
 
     def add(batch: dict, output) -> None:
         logits = output.prediction.float()
         pred = logits.argmax(1).cpu().numpy()
         scores = torch.softmax(logits, 1).half().cpu().numpy() if save_scores else None
-        coord, segment = batch["coord"].cpu().numpy(), batch["segment"].cpu().numpy()
+        coord = batch["coord"].cpu().numpy()
+        segment = batch["segment"].cpu().numpy() if has_labels else None
         ends = batch["offset"].cpu().tolist()
         for event_id, lo, hi in zip(batch["event_id"].tolist(), [0, *ends[:-1]], ends):
             source, source_index = locate(event_id)
             writer.add(event_id, source, source_index, pred[lo:hi], point_index(dataset, event_id, hi - lo),
-                       coord[lo:hi], segment[lo:hi], None if scores is None else scores[lo:hi])
+                       coord[lo:hi], None if segment is None else segment[lo:hi],
+                       None if scores is None else scores[lo:hi])
 
     return writer, add
 
@@ -246,12 +254,63 @@ def _evaluate(out: Path, env) -> None:
              seconds)
 
 
+def _predict(out: Path, env) -> None:
+    """The rank side of `pimm predict`: the plain model (no DDP or FSDP2 wrapper: inference needs no
+    gradient sync) over this rank's share of the events, every event once; rank 0 merges the
+    parts into spec["out"]. No labels, loss or metrics."""
+    from types import SimpleNamespace
+
+    from pimm import __version__
+    from pimm.checkpoint.weights import load_weight_file
+    from pimm.data.dataset import build_dataset
+    from pimm.data.predictions import merge_predictions
+    from pimm.distributed.env import barrier
+    from pimm.models import build_model
+
+    spec = json.loads((out / EVAL_SPEC).read_text())
+    dataset = build_dataset({**spec["data"], "augment": False, "labels": False}, seed=0)
+    sampler = ShardedEvalSampler(len(dataset), int(spec["batch_size"]), env.world_size, env.rank)
+    workers = 2 if env.device.type == "cuda" else 0  # CPU ranks share the cores with the model
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                         collate_fn=collate_events, pin_memory=env.device.type == "cuda")
+    model = build_model(spec["model"])
+    model.load_state_dict(load_weight_file(spec["weights"]))
+    model.to(env.device).eval()
+    log.info("predicting %d events (%d per rank and batch) with %s on %d rank(s)", len(dataset), spec["batch_size"],
+             spec["weights"], env.world_size)
+    cfg = {"data": {"num_classes": spec["num_classes"], "names": spec["class_names"]}}
+    facts = {"weights_sha256": spec["weights_sha256"], "weights": spec["weights"], "checkpoint": spec["checkpoint"],
+             "step": spec["step"], "data": spec["data_identity"], "world_size": env.world_size,
+             "pimm_version": __version__}
+    part = out / f"predictions.rank{env.rank}.h5"
+    writer, on_batch = prediction_writer(part, dataset, cfg, spec["split"], bool(spec["save_scores"]),
+                                         {**facts, "rank": env.rank}, has_labels=False)
+    started = time.perf_counter()
+    try:
+        with loader_workers_forked():
+            batches = iter(loader)
+        with torch.no_grad():
+            for batch in batches:
+                batch = {key: value.to(env.device, non_blocking=True) for key, value in batch.items()}
+                logits = model(batch["coord"], batch["feat"], batch["offset"], event_id=batch["event_id"])
+                on_batch(batch, SimpleNamespace(prediction=logits))
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+    barrier()
+    if env.is_main:
+        merge_predictions([out / f"predictions.rank{r}.h5" for r in range(env.world_size)], Path(spec["out"]))
+        log.info("predicted %d events in %.1f s -> %s", len(dataset), time.perf_counter() - started, spec["out"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pimm.engine.evaluation")
     parser.add_argument("--eval-dir", type=Path, required=True)
     out: Path = parser.parse_args(argv).eval_dir
     if not (out / EVAL_SPEC).is_file():
-        print(f"pimm.engine.evaluation: error: {out / EVAL_SPEC} does not exist; start evaluations with `pimm test`",
+        print(f"pimm.engine.evaluation: error: {out / EVAL_SPEC} does not exist; start evaluations with `pimm test` "
+              "(or `pimm predict`)",
               file=sys.stderr)
         return 2
     from pimm.engine.logs import setup_logging
@@ -266,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         env = init_distributed()
-        _evaluate(out, env)
+        (_predict if json.loads((out / EVAL_SPEC).read_text()).get("predict") else _evaluate)(out, env)
         destroy_distributed()
         return 0
     except BaseException as exc:
