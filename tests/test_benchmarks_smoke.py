@@ -43,3 +43,14 @@ def test_throughput_benchmark_runs_and_reports_every_field(tmp_path, tiny_data):
         assert isinstance(row[field], float) and math.isfinite(row[field]) and row[field] > 0, (field, row[field])
     assert len(row["runs"]["pimm"]) == len(row["runs"]["hand"]) == 1
     assert row["runs"]["hand"][0]["steps"] == 6 and row["runs"]["hand"][0]["warmup"] == 2
+
+
+def test_evaluate_benchmark_prints_its_table(tmp_path):
+    """benchmarks/evaluate.py end to end at 1 and 2 ranks on a few events (no speed asserted)."""
+    argv = [sys.executable, str(REPO / "benchmarks" / "evaluate.py"), "--config", "tests/tiny_semseg", "--events",
+            "16", "--batch", "2", "--repeats", "1", "--ranks", "1,2"]
+    res = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    header, *rows = res.stdout.strip().splitlines()[-3:]
+    assert "pimm/hand" in header and "predictions added" in header
+    assert [row.split()[0] for row in rows] == ["1", "2"] and all(row.split()[1] == "16" for row in rows)
