@@ -73,9 +73,10 @@ def _text(value: Any) -> str:
 
 
 def _create_file(path: Path, *, num_classes: int, class_names: list[str], split: str, sources: list[str],
-                 has_labels: bool, has_scores: bool, provenance: dict[str, Any], rows: int = 0) -> h5py.File:
+                 has_labels: bool, has_scores: bool, provenance: dict[str, Any], rows: int = 0,
+                 compress: bool = True) -> h5py.File:
     """A new prediction file at `path` (header attributes, empty resizable point datasets of
-    `rows` rows), not yet complete."""
+    `rows` rows), not yet complete; `compress=False` for a rank's part, which the merge reads once."""
     f = h5py.File(path, "w", locking=False)  # a private partial file; HDF5 locks fail on some parallel file systems
     f.attrs.update({
         "format": FORMAT, "version": VERSION, "num_classes": int(num_classes),
@@ -88,7 +89,7 @@ def _create_file(path: Path, *, num_classes: int, class_names: list[str], split:
             continue
         tail = tuple(num_classes if t == "C" else t for t in tail)
         f.create_dataset(name, shape=(rows, *tail), maxshape=(None, *tail), dtype=dtype,
-                         chunks=(CHUNK_ROWS, *tail), **_COMPRESSION)
+                         chunks=(CHUNK_ROWS, *tail), **(_COMPRESSION if compress else {}))
     return f
 
 
@@ -108,11 +109,12 @@ class PredictionWriter:
     are JSON-able provenance (weights sha256, config hash, world size; `rank` and `world_size`
     let `merge_predictions` check that no rank's part is missing). Use as a context manager, or
     call `close()`: only then does `path` exist. Events may come in any order; a file whose
-    events came unsorted is sorted once on close."""
+    events came unsorted is sorted once on close. `compress=False` writes a rank's part without
+    gzip (a third of the writing time; the merged file is compressed)."""
 
     def __init__(self, path: str | Path, *, num_classes: int, class_names: list[str], split: str,
                  sources: list[str | Path], save_scores: bool = False, has_labels: bool = True,
-                 attrs: dict[str, Any] | None = None) -> None:
+                 attrs: dict[str, Any] | None = None, compress: bool = True) -> None:
         if not 1 <= int(num_classes) <= 256:
             raise ValueError(f"num_classes must be 1..256 (predictions are stored as uint8), got {num_classes}")
         if len(class_names) != num_classes:
@@ -125,7 +127,7 @@ class PredictionWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = _create_file(self._tmp, num_classes=num_classes, class_names=class_names, split=split,
                                   sources=[str(s) for s in sources], has_labels=has_labels, has_scores=save_scores,
-                                  provenance=dict(attrs or {}))
+                                  provenance=dict(attrs or {}), compress=compress)
         self._names = [n for n in _POINT_DATASETS if n in self._file]
         self._pending: dict[str, list[np.ndarray]] = {n: [] for n in self._names}
         self._pending_rows = self._written = 0

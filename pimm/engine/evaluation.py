@@ -108,15 +108,16 @@ def point_index(dataset, index: int, count: int) -> np.ndarray:
 
 def prediction_writer(path: Path, dataset, cfg: dict, split: str, save_scores: bool, attrs: dict,
                       has_labels: bool = True):
-    """(PredictionWriter, on_batch callback adding each batch's events to it); without labels
-    (`pimm predict`) the file has no `segment`."""
+    """(PredictionWriter of this rank's part, on_batch callback adding each batch's events to it);
+    without labels (`pimm predict`) the file has no `segment`. Parts are written uncompressed:
+    rank 0's merge reads them once and compresses the merged file."""
     from pimm.data.predictions import PredictionWriter
 
     num_classes = int(cfg["data"]["num_classes"])
     names = list(cfg["data"].get("names") or [str(i) for i in range(num_classes)])
     sources, locate = prediction_sources(dataset)
     writer = PredictionWriter(path, num_classes=num_classes, class_names=names, split=split, sources=sources,
-                              save_scores=save_scores, has_labels=has_labels, attrs=attrs)
+                              save_scores=save_scores, has_labels=has_labels, attrs=attrs, compress=False)
 
     def add(batch: dict, output) -> None:
         logits = output.prediction.float()
