@@ -1,6 +1,8 @@
 # Semantic segmentation (5 motif classes) of PILArNet-M shards as published, with the demo's model and
-# schedule: point data.*.path at the download root (shards <root>/*train/*.h5, <root>/*val/*.h5), e.g.
-# `-- data.train.path=/scratch/pilarnet data.val.path=/scratch/pilarnet`. For the 6 particle classes set
+# schedule: point data.*.path at the download root (shards <root>/*train/*.h5, <root>/*val/*.h5,
+# <root>/*test/*.h5), e.g. `-- data.train.path=/scratch/pilarnet data.val.path=/scratch/pilarnet
+# data.test.path=/scratch/pilarnet`; the test split is evaluated with model_best when training ends
+# (pimm test; `data.test=null` to leave it out). For the 6 particle classes set
 # label="pid" in both splits and data.num_classes=6, model.num_classes=6, data.names=None.
 # energy_threshold=0.13 (MeV; points at or below it are dropped) and min_points=1024 (counted after that cut)
 # are the values of the published PILArNet-M studies; remove_low_energy_scatters=True drops each event's
@@ -15,4 +17,5 @@ _pilarnet = dict(_delete_=True, type="PILArNetDataset", path="data/pilarnet", re
 data = dict(
     train=dict(_pilarnet, split="train", augment=True),
     val=dict(_pilarnet, split="val"),
+    test=dict(_pilarnet, split="test"),  # tested with model_best when training ends (test_after_training)
 )
