@@ -19,3 +19,16 @@ PARALLEL_STRATEGIES = ("ddp", "fsdp2")  # used when the world size is > 1
 NOT_IMPLEMENTED_STRATEGIES = ("tp", "tensor", "tensor_parallel", "pp", "pipeline", "pipeline_parallel", "fsdp",
                               "deepspeed", "zero")
 AMP_DTYPES = ("bfloat16", "float32")  # float16 needs a GradScaler, which pimm does not use
+# data.<split>.transforms=[dict(type=..., ...)]: name -> its arguments and their defaults (pimm.data.transforms;
+# the launcher's check of the values is pimm.config.validate.check_transforms)
+TRANSFORMS = {
+    "RandomRotate": {"axis": "z", "angle": (-180.0, 180.0)},  # degrees, about the volume centre
+    "RandomFlip": {"axes": ("x", "y", "z"), "p": 0.5},  # each axis mirrored about the volume centre with p
+    "Jitter": {"sigma": 0.01},  # Gaussian noise on every coordinate, in coordinate units
+    "RandomScale": {"scale": (0.9, 1.1)},  # one factor for all axes, about the volume centre
+    "GridSample": {"grid_size": 1.0, "mode": "first"},  # one point per voxel: "first" or "sum" (of the energies)
+    "NormalizeCoord": {},  # feature x, y, z: centred on the event's mean, divided by its largest radius
+    "LogEnergy": {"scale": None},  # feature log_energy = log1p(energy / scale); None: the dataset's energy_scale
+    "RandomCrop": {"max_points": 100000},  # the max_points points nearest to a random point of the event
+}
+RANDOM_TRANSFORMS = ("RandomRotate", "RandomFlip", "Jitter", "RandomScale", "RandomCrop")

@@ -16,6 +16,7 @@ log_every = 20
 
 data = dict(
     # skip_nonfinite=True: leave out events with a NaN/inf coordinate or energy (the launch refuses them otherwise)
-    train=dict(type="LArTPCDataset", path="data/demo/train.h5", augment=True, skip_nonfinite=False),
-    val=dict(type="LArTPCDataset", path="data/demo/val.h5", skip_nonfinite=False),
+    train=dict(type="LArTPCDataset", path="data/demo/train.h5", augment=True, skip_nonfinite=False,
+               transforms=None),
+    val=dict(type="LArTPCDataset", path="data/demo/val.h5", skip_nonfinite=False, transforms=None),
 )

@@ -13,7 +13,7 @@ num_worker = 4
 
 _pilarnet = dict(_delete_=True, type="PILArNetDataset", path="data/pilarnet", revision="v2", label="motif",
                  min_points=1024, energy_threshold=0.13, remove_low_energy_scatters=False, volume_size=768.0,
-                 skip_nonfinite=False)
+                 skip_nonfinite=False, transforms=None)
 data = dict(
     train=dict(_pilarnet, split="train", augment=True),
     val=dict(_pilarnet, split="val"),

@@ -12,6 +12,7 @@ optimizer = dict(type="AdamW", lr=3e-3, weight_decay=0.0)
 log_every = 1
 
 data = dict(
-    train=dict(type="LArTPCDataset", path="data/tests/train.h5", augment=True, max_len=None, skip_nonfinite=False),
-    val=dict(type="LArTPCDataset", path="data/tests/val.h5", max_len=None, skip_nonfinite=False),
+    train=dict(type="LArTPCDataset", path="data/tests/train.h5", augment=True, max_len=None, skip_nonfinite=False,
+               transforms=None),
+    val=dict(type="LArTPCDataset", path="data/tests/val.h5", max_len=None, skip_nonfinite=False, transforms=None),
 )

@@ -76,6 +76,10 @@ _SPLIT = {  # data.<split>.<key>
                  lambda v: isinstance(v, str) and v.strip() != ""),
     "max_len": optional(integer(1), "all events"),
     "augment": BOOL,
+    # a list of dict(type=..., ...) from names.TRANSFORMS, or None; the entries: check_transforms
+    "transforms": Rule("None or a list of dict(type=..., ...) transforms "
+                       f"({', '.join(names.TRANSFORMS)})",
+                       lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(t, dict) for t in v))),
     "skip_nonfinite": BOOL,  # drop events with a non-finite coordinate, energy or feature (pimm.data)
     # PILArNetDataset only (pimm.data.pilarnet_file)
     "split": Rule("a split name such as 'train' (shards <path>/*<split>/*.h5)",
@@ -258,6 +262,9 @@ def check_config(cfg: dict) -> None:
             if given:
                 raise ConfigError(f"data.{split}.{given[0]} is an option of PILArNetDataset, not of "
                                   f"{dataset.get('type')}; remove it or set data.{split}.type='PILArNetDataset'")
+    for split in SPLITS:
+        if isinstance(data.get(split), dict):
+            check_transforms(data[split], f"data.{split}")
     check_model(model)
     in_channels = model.get("in_channels")
     if in_channels is not None and in_channels != len(names.FEATURE_COLUMNS):
@@ -397,3 +404,79 @@ def _check_point_transformer_stages(model: dict) -> None:
             for c, h in zip(channels, heads):
                 if c % h:
                     raise fail(heads_key, f"{channels_key} must be divisible by it stage by stage ({c} by {h})")
+
+
+def _range(lo_min: float | None) -> Rule:
+    """[lo, hi] with lo <= hi (and lo > lo_min when given)."""
+    def ok(v: Any) -> bool:
+        return (isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_number(x) for x in v) and v[0] <= v[1]
+                and (lo_min is None or v[0] > lo_min))
+    return Rule("[lo, hi] with " + ("lo <= hi" if lo_min is None else f"{lo_min:g} < lo <= hi"), ok)
+
+
+_AXES = ("x", "y", "z")
+# the rules of each argument in names.TRANSFORMS (same names: a test keeps the two tables in step)
+TRANSFORM_ARGUMENTS: dict[str, dict[str, Rule]] = {
+    "RandomRotate": {"axis": one_of(_AXES), "angle": _range(None)},
+    "RandomFlip": {"axes": Rule("a list of axes from x, y, z", lambda v: isinstance(v, (list, tuple))
+                                and all(a in _AXES for a in v)),
+                   "p": Rule("a probability in [0, 1]", lambda v: _is_number(v) and 0 <= v <= 1)},
+    "Jitter": {"sigma": number(0, strict=False)},
+    "RandomScale": {"scale": _range(0.0)},
+    "GridSample": {"grid_size": number(0, strict=True), "mode": one_of(("first", "sum"))},
+    "NormalizeCoord": {},
+    "LogEnergy": {"scale": optional(number(0, strict=True), "the dataset's energy_scale")},
+    "RandomCrop": {"max_points": integer(1)},
+}
+# transforms after which the coordinates (or energies) are not the ones NormalizeCoord (LogEnergy) saw
+_MOVES_COORD = ("RandomRotate", "RandomFlip", "Jitter", "RandomScale")
+_CHANGES_ENERGY = ("GridSample",)  # with mode="sum"
+
+
+def check_transforms(dataset: dict, where: str) -> None:
+    """ConfigError for a transform list (`dataset["transforms"]`, at config key `where`) that
+    pimm.data.transforms cannot build: unknown type or argument, a bad value, a transform placed
+    after the feature transform it would bypass, or augment=True set as well."""
+    transforms = dataset.get("transforms")
+    if transforms is None:
+        return
+    if not isinstance(transforms, (list, tuple)):
+        raise ConfigError(f"{where}.transforms={transforms!r:.80} must be None or a list of dict(type=..., ...)")
+    if dataset.get("augment"):
+        raise ConfigError(f"{where} sets both augment=True and transforms: the transforms replace the built-in "
+                          f"augmentation, so set {where}.augment=False (or transforms=None to keep augment)")
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(transforms):
+        key = f"{where}.transforms[{i}]"
+        if not isinstance(spec, dict) or "type" not in spec:
+            raise ConfigError(f"{key}={spec!r:.80} must be a dict(type=..., ...) with type one of "
+                              f"{', '.join(names.TRANSFORMS)}")
+        kind = spec["type"]
+        if kind not in names.TRANSFORMS:
+            close = difflib.get_close_matches(str(kind), names.TRANSFORMS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else "."
+            raise ConfigError(f"{key}.type={kind!r} is not a transform pimm knows (one of "
+                              f"{', '.join(names.TRANSFORMS)}){hint}")
+        rules = TRANSFORM_ARGUMENTS[kind]
+        for arg, value in spec.items():
+            if arg == "type":
+                continue
+            if arg not in rules:
+                close = difflib.get_close_matches(str(arg), rules, n=1)
+                options = ", ".join(rules) or "none"
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"{key}: {arg!r} is not an argument of {kind} (its arguments: {options}).{hint}")
+            if not rules[arg].ok(value):
+                raise ConfigError(f"{key}: {kind} {arg}={value!r:.80} is not allowed: {arg} must be "
+                                  f"{rules[arg].allowed}")
+        moves = kind in _MOVES_COORD
+        changes = kind in _CHANGES_ENERGY and spec.get("mode", names.TRANSFORMS[kind]["mode"]) == "sum"
+        for feature, bypassed in (("NormalizeCoord", moves), ("LogEnergy", changes)):
+            if bypassed and feature in seen:
+                raise ConfigError(f"{key}: {kind} comes after {feature} ({where}.transforms[{seen[feature]}]), "
+                                  f"which has already computed the features from the points; put {feature} after it")
+        seen.setdefault(kind, i)
+
+
+_PRETRAINED_OPTIONS = ("path", "key_map", "strict", "skip")
+_GROUP_OPTIONS = ("params", "lr_scale", "weight_decay")  # as pimm.engine.optim.GROUP_OPTIONS (no torch import here)

@@ -36,6 +36,7 @@ from pimm.data.pilarnet_file import (
     point_labels,
 )
 from pimm.data.synth import DETECTOR_SIZE
+from pimm.data.transforms import build_transforms, features
 from pimm.errors import ConfigError, DataError
 from pimm.registry import Registry
 
@@ -45,6 +46,14 @@ DATASETS = Registry("dataset")
 # open_pilarnet's label range with labels=False: any class number passes (-1 is "no label" in the format)
 UNCHECKED_CLASSES = 2**62
 log = logging.getLogger("pimm")
+
+
+def _transforms(transforms: list[dict] | None, augment: bool):
+    """The Compose of a dataset's `transforms` (None: none); ConfigError when augment is set as well."""
+    if transforms is not None and augment:
+        raise ConfigError("dataset sets both augment=True and transforms: the transforms replace the built-in "
+                          "augmentation, so set augment=False (or transforms=None to keep augment)")
+    return build_transforms(transforms)
 
 
 def _check_options(seed: int, max_len: int | None, **positive: float) -> None:
@@ -65,6 +74,9 @@ class LArTPCDataset(Dataset):
 
     Keys are an event index or `(epoch, index)`; with `augment`, the random flips, rotation about
     the drift (x) axis, energy scale and coordinate jitter depend only on (seed, epoch, index).
+    `transforms` (a list of dict(type=..., ...), pimm.data.transforms) replaces that augmentation
+    with the listed steps, each random one seeded by (seed, epoch, index, its place in the list);
+    `point_index(index)` gives the stored point index of each point an event comes out with.
     With `skip_nonfinite`, events with a non-finite coordinate or energy are left out (the file is
     read once to find them; without it the launcher has refused such a file); the index is then
     over the remaining events, in stored order. With `labels=False` (prediction) the file may lack
@@ -83,8 +95,10 @@ class LArTPCDataset(Dataset):
         energy_scale: float = 1.0,
         skip_nonfinite: bool = False,
         labels: bool = True,
+        transforms: list[dict] | None = None,
     ) -> None:
         _check_options(seed, max_len, energy_scale=energy_scale)
+        self.transforms = _transforms(transforms, augment)
         self.labels = bool(labels)
         if skip_nonfinite:
             self.info, offsets, self.class_names, stored = select_events(path, skip_nonfinite=True,
@@ -158,14 +172,15 @@ class LArTPCDataset(Dataset):
 
     def read_raw(self, index: int) -> dict[str, np.ndarray]:
         """Event `index` as stored: coord (N,3) float32, energy (N,) float32, segment (N,) uint8
-        (int64 -1 everywhere with labels=False)."""
+        (int64 -1 everywhere with labels=False), point_index (N,) int64 (0..N-1)."""
         coord_ds, energy_ds, segment_ds = self._open()
         stored = index if self.stored is None else int(self.stored[index])
         a, b = int(self.offsets[stored]), int(self.offsets[stored + 1])
         try:
             # one contiguous slice per array: random access costs one or two chunk reads
             segment = segment_ds[a:b] if segment_ds is not None else np.full(b - a, -1, np.int64)
-            return {"coord": coord_ds[a:b], "energy": energy_ds[a:b], "segment": segment}
+            return {"coord": coord_ds[a:b], "energy": energy_ds[a:b], "segment": segment,
+                    "point_index": np.arange(b - a, dtype=np.int64)}
         except _H5_ERRORS as exc:
             raise _fail(Path(self.path), f"event {stored} (rows {a}:{b}) is unreadable: {exc}") from exc
 
@@ -194,15 +209,37 @@ class LArTPCDataset(Dataset):
             keep[:] = True
         return out[keep], (energy[keep] * escale).astype(np.float32), segment[keep]
 
+    def _transformed(self, epoch: int, index: int) -> dict[str, np.ndarray]:
+        """Event `index` after this dataset's transforms at `epoch` (arrays of pimm.data.transforms)."""
+        raw = self.read_raw(index)
+        event = {key: raw[key] for key in ("coord", "energy", "segment", "point_index")}
+        context = {"volume_size": float(self.volume_size), "energy_scale": self.energy_scale}
+        return self.transforms(event, self.seed, epoch, index, context)
+
+    def point_index(self, key: int | tuple[int, int]) -> np.ndarray:
+        """(N,) int32: the stored point index (its row in the event as stored, before any point cut) of
+        each point `self[key]` gives, in the same order; re-reads the event when points were dropped."""
+        epoch, index = self._parse_key(key)
+        if self.transforms is not None and self.transforms.drops_points:
+            return self._transformed(epoch, index)["point_index"].astype(np.int32)
+        if self.augment:  # the built-in augmentation drops points pushed out of the volume
+            raw = self.read_raw(index)
+            # point_index in place of segment: _augment returns the rows it kept
+            return self._augment(raw["coord"], raw["energy"], raw["point_index"], epoch, index)[2].astype(np.int32)
+        return self.read_raw(index)["point_index"].astype(np.int32)
+
     def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
         epoch, index = self._parse_key(key)
-        raw = self.read_raw(index)
-        coord, energy, segment = raw["coord"], raw["energy"], raw["segment"]
-        if self.augment:
-            coord, energy, segment = self._augment(coord, energy, segment, epoch, index)
-        feat = np.empty((len(coord), 4), dtype=np.float32)
-        feat[:, :3] = coord * (2.0 / self.volume_size) - 1.0  # centred, roughly [-1, 1]
-        feat[:, 3] = np.log1p(energy / self.energy_scale)  # compresses the Landau tail
+        if self.transforms is not None:
+            event = self._transformed(epoch, index)
+            coord, segment = event["coord"], event["segment"]
+            feat = features(event, float(self.volume_size), self.energy_scale)
+        else:
+            raw = self.read_raw(index)
+            coord, energy, segment = raw["coord"], raw["energy"], raw["segment"]
+            if self.augment:
+                coord, energy, segment = self._augment(coord, energy, segment, epoch, index)
+            feat = features({"coord": coord, "energy": energy}, self.volume_size, self.energy_scale)
         return {
             "coord": torch.from_numpy(np.ascontiguousarray(coord, dtype=np.float32)),
             "feat": torch.from_numpy(feat),
@@ -211,7 +248,8 @@ class LArTPCDataset(Dataset):
         }
 
     def __repr__(self) -> str:
-        return f"LArTPCDataset({self.path!r}, events={len(self)}, augment={self.augment}, seed={self.seed})"
+        return (f"LArTPCDataset({self.path!r}, events={len(self)}, augment={self.augment}, "
+                f"transforms={self.transforms}, seed={self.seed})")
 
 
 @DATASETS.register
@@ -250,8 +288,10 @@ class PILArNetDataset(LArTPCDataset):
         remove_low_energy_scatters: bool = False,
         skip_nonfinite: bool = False,
         labels: bool = True,
+        transforms: list[dict] | None = None,
     ) -> None:
         _check_options(seed, max_len, energy_scale=energy_scale, volume_size=volume_size)
+        self.transforms = _transforms(transforms, augment)
         self.labels = bool(labels)
         self.info, shards, rows = open_pilarnet(path, split, revision, label, min_points, energy_threshold,
                                                 remove_low_energy_scatters=remove_low_energy_scatters,
@@ -311,7 +351,7 @@ class PILArNetDataset(LArTPCDataset):
     def read_raw(self, index: int) -> dict[str, np.ndarray]:
         """Event `index` of the selection: point (N,8) and cluster (K,5|6) as stored, and the points
         that survive the cut: coord (M,3) float32, energy (M,) float32, segment (M,) int64 (the
-        chosen label per point)."""
+        chosen label per point), point_index (M,) int64 (their rows in `point`)."""
         shard, row = int(self.event_shard[index]), int(self.event_row[index])
         point_ds, cluster_ds = self._open_shard(shard)
         path = Path(self.shards[shard])
@@ -326,6 +366,7 @@ class PILArNetDataset(LArTPCDataset):
         keep = kept_points(point, cluster, self.cut)
         kept = point if keep is None else point[keep]
         return {
+            "point_index": np.arange(len(point), dtype=np.int64) if keep is None else np.flatnonzero(keep),
             "point": point,
             "cluster": cluster,
             "coord": np.ascontiguousarray(kept[:, :3], dtype=np.float32),
@@ -335,7 +376,8 @@ class PILArNetDataset(LArTPCDataset):
 
     def __repr__(self) -> str:
         return (f"PILArNetDataset({self.path!r}, revision={self.revision}, label={self.label}, shards="
-                f"{len(self.shards)}, events={len(self)}, augment={self.augment}, seed={self.seed})")
+                f"{len(self.shards)}, events={len(self)}, augment={self.augment}, "
+                f"transforms={self.transforms}, seed={self.seed})")
 
 
 def _log_dropped(info: dict) -> None:

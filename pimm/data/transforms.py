@@ -1,0 +1,208 @@
+"""Point-cloud transforms of `data.<split>.transforms` (numpy only; no torch, no h5py).
+
+An event is a dict of per-point arrays: coord (N,3) float, energy (N,), segment (N,) and
+point_index (N,) int64 (each point's index in the stored event, so predictions of a transformed
+event can be written back to the stored points). Transforms run in list order; each random one
+draws from `np.random.default_rng([seed, epoch, event index, position in the list])`, so an event
+is transformed identically at any world size, worker count and after a resume.
+
+Coordinates stay in detector units (the models voxelise them); rotations, flips and scaling are
+about the centre of the detector volume. The feature columns (names.FEATURE_COLUMNS) are x, y, z
+scaled to the volume (coord * 2 / volume_size - 1) and log1p(energy / energy_scale) unless
+NormalizeCoord or LogEnergy set them; they compute the columns from the points as they are at
+their place in the list (the config check refuses a transform after them that would move the
+points or change the energies they used). Points dropped later (GridSample, RandomCrop) drop their
+feature rows too.
+
+The names, arguments and defaults are `pimm.names.TRANSFORMS`; the launcher's value checks are
+`pimm.config.validate.check_transforms`, which `build_transforms` runs as well.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pimm import names
+from pimm.config.validate import check_transforms
+
+Event = dict[str, np.ndarray]
+_AXIS = {"x": 0, "y": 1, "z": 2}
+
+
+class Transform:
+    """One step: `__call__(event, rng, context)` -> event; `rng` is None for deterministic ones."""
+
+    random = False
+
+    def __init__(self, **arguments: Any) -> None:
+        defaults = names.TRANSFORMS[type(self).__name__]
+        self.arguments = {**defaults, **arguments}
+
+    def __call__(self, event: Event, rng: np.random.Generator | None, context: dict) -> Event:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.arguments.items())
+        return f"{type(self).__name__}({args})"
+
+
+def _select(event: Event, keep: np.ndarray) -> Event:
+    """Every per-point array of `event` at the rows `keep` (indices or a mask)."""
+    return {key: value[keep] for key, value in event.items()}
+
+
+def _about_centre(event: Event, context: dict, matrix: np.ndarray) -> Event:
+    centre = context["volume_size"] / 2.0
+    coord = (event["coord"].astype(np.float64) - centre) @ matrix.T + centre
+    return {**event, "coord": coord.astype(np.float32)}
+
+
+class RandomRotate(Transform):
+    """Rotate about the axis `axis` through the volume centre by an angle drawn from `angle` (degrees)."""
+
+    random = True
+
+    def __call__(self, event, rng, context):
+        theta = np.deg2rad(rng.uniform(*self.arguments["angle"]))
+        cos, sin = np.cos(theta), np.sin(theta)
+        a = _AXIS[self.arguments["axis"]]
+        b, c = [i for i in range(3) if i != a]
+        matrix = np.eye(3)
+        matrix[b, b], matrix[b, c], matrix[c, b], matrix[c, c] = cos, -sin, sin, cos
+        return _about_centre(event, context, matrix)
+
+
+class RandomFlip(Transform):
+    """Mirror each axis of `axes` about the volume centre with probability `p`."""
+
+    random = True
+
+    def __call__(self, event, rng, context):
+        draws = rng.random(len(self.arguments["axes"]))
+        signs = np.ones(3)
+        for axis, draw in zip(self.arguments["axes"], draws):
+            if draw < self.arguments["p"]:
+                signs[_AXIS[axis]] = -1.0
+        return _about_centre(event, context, np.diag(signs))
+
+
+class Jitter(Transform):
+    """Add Gaussian noise of standard deviation `sigma` (coordinate units) to every coordinate."""
+
+    random = True
+
+    def __call__(self, event, rng, context):
+        noise = rng.normal(scale=self.arguments["sigma"], size=event["coord"].shape)
+        return {**event, "coord": (event["coord"] + noise).astype(np.float32)}
+
+
+class RandomScale(Transform):
+    """Scale all coordinates about the volume centre by one factor drawn from `scale` = [lo, hi]."""
+
+    random = True
+
+    def __call__(self, event, rng, context):
+        return _about_centre(event, context, np.eye(3) * rng.uniform(*self.arguments["scale"]))
+
+
+class GridSample(Transform):
+    """Keep one point per occupied voxel of edge `grid_size`: the voxel's first point in the event's
+    order (its label and coordinates); mode="sum" gives it the voxel's summed energy."""
+
+    def __call__(self, event, rng, context):
+        cell = np.floor(event["coord"] / self.arguments["grid_size"]).astype(np.int64)
+        _, first, inverse = np.unique(cell, axis=0, return_index=True, return_inverse=True)
+        order = np.argsort(first, kind="stable")  # kept points in the event's order
+        out = _select(event, first[order])
+        if self.arguments["mode"] == "sum":
+            total = np.bincount(inverse.reshape(-1), weights=event["energy"], minlength=len(first))
+            out["energy"] = total[order].astype(event["energy"].dtype)
+        return out
+
+
+class NormalizeCoord(Transform):
+    """Feature x, y, z: the coordinates minus the event's mean, divided by its largest distance from it."""
+
+    def __call__(self, event, rng, context):
+        centred = event["coord"].astype(np.float64) - event["coord"].mean(axis=0) if len(event["coord"]) else \
+            np.zeros((0, 3))
+        radius = np.sqrt((centred**2).sum(axis=1)).max() if len(centred) else 0.0
+        return {**event, "feat_coord": (centred / (radius if radius > 0 else 1.0)).astype(np.float32)}
+
+
+class LogEnergy(Transform):
+    """Feature log_energy: log1p(energy / scale) (scale None: the dataset's energy_scale)."""
+
+    def __call__(self, event, rng, context):
+        scale = self.arguments["scale"] or context["energy_scale"]
+        return {**event, "feat_energy": np.log1p(event["energy"] / scale).astype(np.float32)}
+
+
+class RandomCrop(Transform):
+    """Keep the `max_points` points nearest to a randomly drawn point of the event (ties: the earlier
+    point), in the event's order; an event with at most max_points points is kept whole."""
+
+    random = True
+
+    def __call__(self, event, rng, context):
+        n, limit = len(event["coord"]), self.arguments["max_points"]
+        centre = event["coord"][rng.integers(n)] if n else None  # drawn even when nothing is cropped
+        if n <= limit:
+            return event
+        distance = ((event["coord"].astype(np.float64) - centre) ** 2).sum(axis=1)
+        keep = np.sort(np.argsort(distance, kind="stable")[:limit])
+        return _select(event, keep)
+
+
+_CLASSES = {cls.__name__: cls for cls in (RandomRotate, RandomFlip, Jitter, RandomScale, GridSample, NormalizeCoord,
+                                          LogEnergy, RandomCrop)}
+assert tuple(_CLASSES) == tuple(names.TRANSFORMS), "pimm.names.TRANSFORMS and the transform classes differ"
+assert {n for n, c in _CLASSES.items() if c.random} == set(names.RANDOM_TRANSFORMS)
+
+
+class Compose:
+    """The transforms of one split, applied in order to an event."""
+
+    def __init__(self, transforms: list[Transform]) -> None:
+        self.transforms = list(transforms)
+
+    @property
+    def drops_points(self) -> bool:
+        """Whether an event may come out with fewer points than it went in with."""
+        return any(isinstance(t, (GridSample, RandomCrop)) for t in self.transforms)
+
+    def __call__(self, event: Event, seed: int, epoch: int, index: int, context: dict) -> Event:
+        for position, transform in enumerate(self.transforms):
+            # seeded by the sample and the place in the list alone: the same at any topology
+            rng = np.random.default_rng([seed, epoch, index, position]) if transform.random else None
+            event = transform(event, rng, context)
+        return event
+
+    def __repr__(self) -> str:
+        return f"Compose({self.transforms!r})"
+
+
+def build_transforms(specs: list[dict] | None, where: str = "dataset") -> Compose | None:
+    """`[dict(type="RandomRotate", axis="z"), ...]` -> Compose (None -> None); ConfigError for a list
+    the config check refuses."""
+    if specs is None:
+        return None
+    check_transforms({"transforms": specs}, where)
+    return Compose([_CLASSES[spec["type"]](**{k: v for k, v in spec.items() if k != "type"}) for spec in specs])
+
+
+def features(event: Event, volume_size: float, energy_scale: float) -> np.ndarray:
+    """(N, 4) float32 feature columns x, y, z, log_energy (names.FEATURE_COLUMNS) of a transformed event."""
+    coord, energy = event["coord"], event["energy"]
+    feat = np.empty((len(coord), len(names.FEATURE_COLUMNS)), dtype=np.float32)
+    if "feat_coord" in event:
+        feat[:, :3] = event["feat_coord"]
+    else:
+        feat[:, :3] = coord * (2.0 / volume_size) - 1.0  # centred, roughly [-1, 1]
+    if "feat_energy" in event:
+        feat[:, 3] = event["feat_energy"]
+    else:
+        feat[:, 3] = np.log1p(energy / energy_scale)  # compresses the Landau tail
+    return feat
