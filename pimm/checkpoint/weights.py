@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import errno
+import fnmatch
 import os
 import re
 import shutil
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -81,12 +83,29 @@ def _load_error_detail(exc: Exception) -> str:
     return f"{type(exc).__name__}: {first:.160}" if first else type(exc).__name__
 
 
+_DDP_PREFIX = "module."  # DistributedDataParallel's name for the wrapped model
+_NESTED_KEYS = ("state_dict", "model")  # where Pointcept/mmengine-style checkpoints keep the weights
+
+
+def _unwrap(state: dict) -> dict:
+    """The weights of a checkpoint that holds them under 'state_dict' or 'model' (with epoch,
+    optimizer, ... beside them), with a DDP 'module.' prefix removed when every key has it."""
+    for key in _NESTED_KEYS:
+        inner = state.get(key)
+        if isinstance(inner, dict) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
+            state = inner
+            break
+    if state and all(isinstance(k, str) and k.startswith(_DDP_PREFIX) for k in state):
+        state = {k[len(_DDP_PREFIX):]: v for k, v in state.items()}
+    return state
+
+
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a .safetensors file (a format that holds tensors only: nothing to unpickle)."""
     from safetensors.torch import load_file
 
     try:
-        return load_file(path, device="cpu")
+        return _unwrap(load_file(path, device="cpu"))
     except Exception as exc:
         raise CheckpointError(
             f"cannot read weights {path}: not a safetensors file ({type(exc).__name__}: {str(exc):.160}); "
@@ -119,6 +138,7 @@ def _read_state_dict(path: Path, mmap: bool = False) -> dict[str, torch.Tensor]:
             f"weights {path} hold a {type(state).__name__}, not a state_dict; save model.state_dict() (a dict of "
             "tensors) instead"
         )
+    state = _unwrap(state)
     for key, value in state.items():
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
             nested = [k for k, v in state.items() if isinstance(v, dict)][:1]
@@ -149,28 +169,150 @@ def check_weights_fit(path: str | Path, model_cfg: dict) -> Path:
     """Check, before any process starts, that the weights at `path` load into the model that
     `model_cfg` builds (same keys, same shapes); return the weights file. The model is built on
     the meta device (no memory, no init) and the file is memory-mapped, so this is cheap."""
+    return check_pretrained_fits(path, model_cfg).path
+
+
+@dataclass
+class WeightMatch:
+    """How a weights file meets a model: what loads, and what does not and why."""
+
+    path: Path
+    strict: bool
+    loaded: dict[str, torch.Tensor] = field(repr=False)  # model name -> tensor (after key_map)
+    skipped: list[str]  # file keys (after key_map) left out by pretrained.skip
+    missing: list[str]  # model keys the file does not give (they keep their initial values)
+    unexpected: list[str]  # file keys the model does not have
+    mismatched: list[tuple[str, list[int], list[int]]]  # (key, shape in the file, shape in the model)
+    expected: int  # the model's state_dict entries
+
+    @property
+    def complete(self) -> bool:
+        """Every model entry loads and every file entry is used (skipped ones aside)."""
+        return len(self.loaded) == self.expected and not self.unexpected
+
+    def summary(self) -> str:
+        """One line: loaded N, skipped K, missing M (...), unexpected U (...), shape-mismatched S (...)."""
+        shapes = [f"{k} {a} in the file, {b} in the model" for k, a, b in self.mismatched[:_SHOWN]]
+        parts = [f"loaded {len(self.loaded)} of {self.expected}", _counted("skipped", self.skipped),
+                 _counted("missing", self.missing), _counted("unexpected", self.unexpected),
+                 _counted("shape-mismatched", shapes, len(self.mismatched), sep="; ")]
+        return f"weights {self.path}: " + ", ".join(parts)
+
+    def facts(self) -> dict:
+        """For provenance.json: the counts and the first names of each kind."""
+        return {
+            "path": str(self.path), "strict": self.strict, "loaded": len(self.loaded), "model_entries": self.expected,
+            "skipped": len(self.skipped), "missing": len(self.missing), "unexpected": len(self.unexpected),
+            "shape_mismatched": len(self.mismatched),
+            "first": {"skipped": self.skipped[:_SHOWN], "missing": self.missing[:_SHOWN],
+                      "unexpected": self.unexpected[:_SHOWN],
+                      "shape_mismatched": [list(m) for m in self.mismatched[:_SHOWN]]},
+            "summary": self.summary(),
+        }
+
+
+def _counted(kind: str, names: list[str], count: int | None = None, sep: str = ", ") -> str:
+    count = len(names) if count is None else count
+    if not count:
+        return f"{kind} 0"
+    more = f"{sep}..." if count > len(names[:_SHOWN]) else ""
+    return f"{kind} {count} ({sep.join(names[:_SHOWN])}{more})"
+
+
+def _map_keys(state: dict, key_map: list) -> dict:
+    """Rename keys by the first (old_prefix, new_prefix) of `key_map` that a key starts with."""
+    if not key_map:
+        return state
+    mapped: dict = {}
+    for key, value in state.items():
+        new = key
+        for old_prefix, new_prefix in key_map:
+            if key.startswith(old_prefix):
+                new = new_prefix + key[len(old_prefix):]
+                break
+        if new in mapped:
+            raise CheckpointError(f"pretrained.key_map maps two keys of the weights to {new!r} (one of them {key!r}); "
+                                  "make the renames distinct")
+        mapped[new] = value
+    return mapped
+
+
+def match_weights(path: Path, state: dict, expected: dict[str, torch.Size], pretrained: dict | None = None
+                  ) -> WeightMatch:
+    """Match a state_dict to the model's entries (name -> shape) after pretrained.key_map and
+    pretrained.skip; the matching names with matching shapes load."""
+    pretrained = pretrained or {}
+    state = _map_keys(state, [tuple(pair) for pair in pretrained.get("key_map") or []])
+    skip = list(pretrained.get("skip") or [])
+    skipped = [k for k in state if any(fnmatch.fnmatchcase(k, pattern) for pattern in skip)]
+    used = {k: v for k, v in state.items() if k not in set(skipped)}
+    mismatched = [(k, list(used[k].shape), list(expected[k])) for k in expected
+                  if k in used and tuple(used[k].shape) != tuple(expected[k])]
+    bad = {k for k, _, _ in mismatched}
+    return WeightMatch(
+        path=path, strict=bool(pretrained.get("strict", True)),
+        loaded={k: v for k, v in used.items() if k in expected and k not in bad},
+        skipped=skipped,
+        missing=[k for k in expected if k not in state],
+        unexpected=[k for k in used if k not in expected],
+        mismatched=mismatched,
+        expected=len(expected),
+    )
+
+
+def _refuse(match: WeightMatch, model_cfg: dict, given: str | Path) -> None:
+    """CheckpointError for a strict load that is not complete, or a partial load of nothing."""
+    if not match.strict and match.loaded:
+        return
+    if match.strict and match.complete:
+        return
+    parts = []
+    if match.missing:
+        parts.append(_listed(len(match.missing), "missing key", "missing keys", match.missing[:_SHOWN]))
+    if match.unexpected:
+        parts.append(_listed(len(match.unexpected), "unexpected key", "unexpected keys", match.unexpected[:_SHOWN]))
+    if match.mismatched:
+        shown = [f"{k}: {a} in the file, {b} in the model" for k, a, b in match.mismatched[:_SHOWN]]
+        parts.append(_listed(len(match.mismatched), "shape mismatch", "shape mismatches", shown, sep="; "))
+    left_out = [k for k in match.skipped if k not in match.unexpected]
+    if match.strict and left_out and not parts:
+        parts.append(_listed(len(left_out), "key left out by pretrained.skip", "keys left out by pretrained.skip",
+                             left_out[:_SHOWN]))
+    if not match.strict:
+        raise CheckpointError(
+            f"weights {given} share no parameter (name and shape) with model {_model_name(model_cfg)}: "
+            f"{', '.join(parts) or 'the file is empty'}; map the file's names with pretrained.key_map "
+            "(e.g. [['backbone.', '']]) or give weights of this model"
+        )
+    raise CheckpointError(
+        f"weights {given} do not fit model {_model_name(model_cfg)}: {', '.join(parts)}; give weights saved from "
+        "this model config, or set model.* to the config of the run that saved them (its config.py, or the "
+        "model entry of an export's config.json); to load only what matches, set pretrained.strict=false "
+        "(with pretrained.skip=['head.*'] for a new head)"
+    )
+
+
+def check_pretrained_fits(path: str | Path, model_cfg: dict, pretrained: dict | None = None) -> WeightMatch:
+    """Before any process starts: match the weights at `path` to the model `model_cfg` builds, with
+    the `pretrained` options (key_map, skip, strict); CheckpointError when strict and anything does
+    not fit, or when nothing loads. The model is built on the meta device (no memory, no init) and
+    the file is memory-mapped, so this is cheap."""
     from pimm.models import build_model
 
     resolved = resolve_weight_path(path)
     state = _read_state_dict(resolved, mmap=True)
     with torch.device("meta"):
-        expected = build_model(model_cfg).state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    mismatched = [k for k in expected if k in state and state[k].shape != expected[k].shape]
-    if not (missing or unexpected or mismatched):
-        return resolved
-    parts = []
-    if missing:
-        parts.append(_listed(len(missing), "missing key", "missing keys", missing[:_SHOWN]))
-    if unexpected:
-        parts.append(_listed(len(unexpected), "unexpected key", "unexpected keys", unexpected[:_SHOWN]))
-    if mismatched:
-        shown = [f"{k}: {list(state[k].shape)} in the file, {list(expected[k].shape)} in the model"
-                 for k in mismatched[:_SHOWN]]
-        parts.append(_listed(len(mismatched), "shape mismatch", "shape mismatches", shown, sep="; "))
-    raise CheckpointError(
-        f"weights {path} do not fit model {_model_name(model_cfg)}: {', '.join(parts)}; give weights saved from "
-        "this model config, or set model.* to the config of the run that saved them (its config.py, or the "
-        "model entry of an export's config.json)"
-    )
+        expected = {k: v.shape for k, v in build_model(model_cfg).state_dict().items()}
+    match = match_weights(resolved, state, expected, pretrained)
+    _refuse(match, model_cfg, path)
+    return match
+
+
+def load_pretrained(path: str | Path, expected: dict[str, torch.Size], model_cfg: dict,
+                    pretrained: dict | None = None) -> WeightMatch:
+    """In a rank: the weights at `path` matched to the model's entries (name -> shape); the
+    tensors that load are `.loaded`. Raises as check_pretrained_fits."""
+    resolved = resolve_weight_path(path)
+    match = match_weights(resolved, _read_state_dict(resolved), expected, pretrained)
+    _refuse(match, model_cfg, path)
+    return match

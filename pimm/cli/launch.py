@@ -138,10 +138,16 @@ def prepare(args: argparse.Namespace, scheduled: bool = False):
         from pimm.distributed.strategy import check_strategy_fits
 
         check_strategy_fits(cfg)
-    if args.weight:  # imports torch, only here: missing, incomplete or other-model weights fail now, not in a rank
-        from pimm.checkpoint.weights import check_weights_fit
+    pretrained = cfg.get("pretrained") or {}
+    weight = args.weight or (None if args.resume else pretrained.get("path"))
+    if weight:  # imports torch, only here: missing, incomplete or other-model weights fail now, not in a rank
+        from pimm.checkpoint.weights import check_pretrained_fits
 
-        check_weights_fit(args.weight, cfg["model"])
+        print(f"pimm: warm start from {check_pretrained_fits(weight, cfg['model'], pretrained).summary()}", flush=True)
+    if cfg.get("freeze") or cfg.get("param_groups"):  # imports torch: patterns that match nothing fail now
+        from pimm.engine.optim import check_parameter_patterns
+
+        check_parameter_patterns(cfg)
     return make_plan(
         config_name, config_path, cfg, args.nproc_per_node, args.nnodes, run_dir,
         rdzv_endpoint=args.rdzv_endpoint, node_rank=args.node_rank,

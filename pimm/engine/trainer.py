@@ -33,7 +33,7 @@ from pimm.distributed.env import DistEnv, all_gather_objects, all_reduce_sum, ba
 from pimm.distributed.strategy import build_strategy
 from pimm.engine.evaluation import evaluate_events
 from pimm.engine.logs import MetricsWriter, TensorBoardScalars, WandbScalars
-from pimm.engine.optim import build_optimizer, build_scheduler
+from pimm.engine.optim import build_optimizer, build_scheduler, freeze_parameters, group_facts, parameter_groups
 from pimm.engine.plot import plot_metrics
 from pimm.errors import EXIT_CHECKPOINTED, EXIT_FAILED, ConfigError, TrainingError
 from pimm.json_io import dumps, nonfinite_keys
@@ -89,13 +89,21 @@ class Trainer:
         # identical initial weights on every rank and at every world size
         torch.manual_seed(self.seed)
         self.model = build_model(cfg["model"])
+        # frozen before the wrap: DDP and FSDP2 then leave them out of gradient reduction
+        self.frozen = freeze_parameters(self.model, cfg.get("freeze"))
         self.task = build_task(cfg)
         self.strategy = build_strategy(cfg, env)
         self.module = self.strategy.wrap(self.model, env)
         # modules whose training randomness is keyed by the optimizer step (PointTransformer)
         self._step_listeners = [m.begin_optimizer_step for m in self.model.modules()
                                 if hasattr(m, "begin_optimizer_step")]
-        self.optimizer = build_optimizer(cfg["optimizer"], self.module.parameters())
+        groups = parameter_groups(self.strategy.eval_module(self.module).named_parameters(), cfg["optimizer"],
+                                  cfg.get("param_groups"))
+        self.optimizer = build_optimizer(cfg["optimizer"], groups)
+        self.optimizer_groups = group_facts(self.optimizer, cfg["optimizer"].get("lr", 1e-3))
+        for g in self.optimizer_groups:
+            log.info("optimizer group %s: %d tensors (%d elements), lr %.3g, weight_decay %s; %d tensors frozen",
+                     g["params"], g["tensors"], g["elements"], g["lr"], g["weight_decay"], len(self.frozen))
         self.scheduler = build_scheduler(cfg.get("scheduler"), self.optimizer, schedule_steps)
         self._seed_rank_streams()
 
@@ -304,16 +312,18 @@ class Trainer:
         """Returns (what the run started from, cursor outcome). A resume (also after a torchrun
         restart) continues from the newest usable checkpoint; without one, a warm start (`weight`)
         loads its weights, so a restart before the first checkpoint keeps the warm start."""
+        frozen_elements = sum(p.numel() for n, p in self.model.named_parameters() if n in set(self.frozen))
+        self.provenance.update(frozen={"tensors": len(self.frozen), "elements": frozen_elements},
+                               optimizer_groups=self.optimizer_groups)
         # rank 0 finishes interrupted writes and lists; every rank then tries the same list in order
         found = self.checkpoints.resume_candidates() if resume else []
         if not found:
             if resume:
                 self._truncate_logs_after(0)  # an attempt that died before its first checkpoint is redone
+            pretrained = self.cfg.get("pretrained") or {}
+            weight = weight or pretrained.get("path")
             if weight:
-                from pimm.checkpoint.weights import load_weight_file
-
-                self.strategy.load_full_model_state(self.module, load_weight_file(weight))
-                log.info("warm start from weights %s (optimizer, schedule and data order start fresh)", weight)
+                self._warm_start(weight, pretrained)
                 return str(weight), "fresh"
             if resume:
                 log.warning("resume: no checkpoint in %s yet; starting from step 0", self.run_dir / "model")
@@ -341,6 +351,19 @@ class Trainer:
             self.checkpoints.last_saved_step = self.state.step
             return str(ckpt.path), cursor
         raise CheckpointError("no usable checkpoint: " + " | ".join(problems))
+
+    def _warm_start(self, weight: str, pretrained: dict) -> None:
+        """Load the weights at `weight` (pretrained.key_map, skip, strict); the entries a partial
+        load leaves out keep this run's initial values (gathered whole on every rank)."""
+        from pimm.checkpoint.weights import load_pretrained
+
+        own = self.strategy.eval_module(self.module).state_dict()
+        match = load_pretrained(weight, {k: v.shape for k, v in own.items()}, self.cfg["model"], pretrained)
+        kept = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()  # DTensor: a collective
+                for k, v in own.items() if k not in match.loaded}
+        self.strategy.load_full_model_state(self.module, {**kept, **match.loaded})
+        self.provenance.update(pretrained=match.facts())
+        log.info("warm start: %s (optimizer, schedule and data order start fresh)", match.summary())
 
     def _truncate_logs_after(self, step: int) -> None:
         """Drop records of steps after the checkpoint (they are redone), so logs read as one run."""

@@ -5,7 +5,8 @@ per node, nodes, restarts) are the defaults (its `debug.*` fault injection is no
 one launch); `-- key=value` overrides and explicit --resources
 flags apply on top. A change that cannot work is refused here, before any process starts:
   - model parameters (names or shapes) that no longer match the checkpoint;
-  - optimizer or scheduler settings (their saved state would silently win over the new values);
+  - optimizer or scheduler settings (their saved state would silently win over the new values), or
+    freeze and param_groups (they decide the optimizer's parameter groups);
   - a new length for a schedule whose length is fixed at the start (OneCycleLR, CosineAnnealingLR
     derive it from epochs x steps per epoch; the old length would end or distort the run).
 """
@@ -166,6 +167,14 @@ def check_resume_changes(saved: SavedRun, cfg: dict) -> dict[str, tuple]:
             f"task.best_metric: {old or 'miou'!r} in the run, {new!r} now: the run's best value so far is of "
             f"{old or 'miou'}, so model_best.pth could not be compared; resume without it, {restart_hint}"
         )
+    for key in ("freeze", "param_groups"):
+        if key in changes:
+            old, new = changes[key]
+            raise ConfigError(
+                f"{key}: {old!r} in the run, {new!r} now: the saved optimizer state holds the run's parameter "
+                f"groups ({key} decides them), so it would not load into the new ones; resume without it, "
+                f"{restart_hint}"
+            )
     model_keys = [k for k in changes if k.split(".")[0] == "model" or k == "data.num_classes"]
     if model_keys:
         problem = _parameter_mismatch(saved.cfg["model"], cfg["model"])
