@@ -36,6 +36,17 @@ wandb = dict(enabled=False, mode="offline", project="pimm", entity=None, group=N
 # (PILArNet's -1); class_weights: one loss weight per class (None: equal); best_metric picks model_best.pth
 task = dict(type="SemanticSegmentation", class_weights=None, ignore_index=-1, best_metric="miou")
 data = dict(num_classes=5, names=["shower", "track", "michel", "delta", "low_energy"], train=None, val=None, test=None)
+# fine-tuning. pretrained: weights to start from (--train.weight PATH sets path): a .pth/.safetensors
+# file (a bare state_dict, or one under 'state_dict'/'model'; a DDP 'module.' prefix is removed), a
+# checkpoint directory or a `pimm export` directory. key_map: ordered [old_prefix, new_prefix] renames
+# (the first that applies); skip: fnmatch patterns of (renamed) keys not loaded; strict=False loads
+# only the names and shapes that match the model (the others keep their initial values)
+pretrained = dict(path=None, key_map=[], strict=True, skip=[])
+freeze = []  # fnmatch patterns of parameter names kept fixed (not trained), e.g. ["stem.*", "blocks.0.*"]
+# optimizer groups: each parameter joins the first entry whose params pattern ('|' separates
+# alternatives) matches its name, else the default group; lr = optimizer.lr x lr_scale, e.g.
+# [dict(params="blocks.*", lr_scale=0.1), dict(params="*norm*|*bias", weight_decay=0.0)]
+param_groups = []
 debug = dict(  # fault injection, used by the tests
     nonfinite_loss_at_step=None, interrupt_at_step=None, kill_during_checkpoint_at_step=None,
     desync_rank_params=None,  # True: perturb rank 1's parameters after the strategy wrap (replicas differ)

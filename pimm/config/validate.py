@@ -68,6 +68,8 @@ CLASS_NAMES = Rule(
     "None or a list of class names (strings)",
     lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(n, str) for n in v)),
 )
+PATTERNS = Rule("a list of fnmatch patterns of parameter names (non-empty strings, e.g. 'backbone.*')",
+                lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) and x.strip() for x in v))
 SPLITS = ("train", "val", "test")
 _DATASET = component("dataset", names.DATASETS)
 _SPLIT = {  # data.<split>.<key>
@@ -165,6 +167,19 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
     ("wandb.tags", OPTIONAL, optional(Rule("a list of strings", lambda v: isinstance(v, (list, tuple))
                                                  and all(isinstance(t, str) for t in v)), "none")),
     ("wandb.system_metrics", OPTIONAL, BOOL),
+    ("pretrained", OPTIONAL, optional(DICT, "no pretrained weights")),  # the entries: check_finetune
+    ("pretrained.path", OPTIONAL, optional(Rule("a weights file or directory", lambda v: isinstance(v, str)
+                                                and v.strip() != ""), "only --train.weight")),
+    ("pretrained.key_map", OPTIONAL, Rule("a list of [old_prefix, new_prefix] pairs of strings",
+                                          lambda v: isinstance(v, (list, tuple)) and all(
+                                              isinstance(p, (list, tuple)) and len(p) == 2
+                                              and all(isinstance(x, str) for x in p) for p in v))),
+    ("pretrained.strict", OPTIONAL, BOOL),
+    ("pretrained.skip", OPTIONAL, PATTERNS),
+    ("freeze", OPTIONAL, optional(PATTERNS, "nothing frozen")),
+    ("param_groups", OPTIONAL, optional(Rule("a list of dict(params='pattern|pattern', lr_scale=..., "
+                                             "weight_decay=...)", lambda v: isinstance(v, (list, tuple))
+                                             and all(isinstance(g, dict) for g in v)), "one group")),
     ("debug", OPTIONAL, optional(DICT, "no fault injection")),
     *((f"debug.{key}", OPTIONAL, optional(integer(1), "off"))
       for key in ("nonfinite_loss_at_step", "interrupt_at_step", "kill_during_checkpoint_at_step")),
@@ -266,6 +281,7 @@ def check_config(cfg: dict) -> None:
         if isinstance(data.get(split), dict):
             check_transforms(data[split], f"data.{split}")
     check_model(model)
+    check_finetune(cfg)
     in_channels = model.get("in_channels")
     if in_channels is not None and in_channels != len(names.FEATURE_COLUMNS):
         raise ConfigError(
@@ -480,3 +496,30 @@ def check_transforms(dataset: dict, where: str) -> None:
 
 _PRETRAINED_OPTIONS = ("path", "key_map", "strict", "skip")
 _GROUP_OPTIONS = ("params", "lr_scale", "weight_decay")  # as pimm.engine.optim.GROUP_OPTIONS (no torch import here)
+
+
+_PRETRAINED_OPTIONS = ("path", "key_map", "strict", "skip")
+_GROUP_OPTIONS = ("params", "lr_scale", "weight_decay")  # as pimm.engine.optim.GROUP_OPTIONS (no torch import here)
+
+
+def check_finetune(cfg: dict) -> None:
+    """The options of pretrained and of each param_groups entry (their patterns are matched against
+    the model's parameter names in pimm.engine.optim)."""
+    pretrained = cfg.get("pretrained")
+    if isinstance(pretrained, dict):
+        unknown = [k for k in pretrained if k not in _PRETRAINED_OPTIONS]
+        if unknown:
+            raise ConfigError(f"pretrained.{unknown[0]} is not an option of pretrained; its options are "
+                              f"{', '.join(_PRETRAINED_OPTIONS)}")
+    for i, group in enumerate(cfg.get("param_groups") or []):
+        entry = f"param_groups[{i}]={group!r:.100}"
+        unknown = [k for k in group if k not in _GROUP_OPTIONS]
+        if unknown:
+            raise ConfigError(f"{entry}: {unknown[0]!r} is not an option of a parameter group; its options are "
+                              f"{', '.join(_GROUP_OPTIONS)}")
+        if not isinstance(group.get("params"), str) or not group["params"].strip():
+            raise ConfigError(f"{entry}: params must be a pattern of parameter names such as 'backbone.*' "
+                              "(fnmatch, alternatives separated by '|')")
+        for key in ("lr_scale", "weight_decay"):
+            if key in group and not (_is_number(group[key]) and group[key] >= 0):
+                raise ConfigError(f"{entry}: {key}={group[key]!r} must be a finite number >= 0")
