@@ -11,6 +11,7 @@ MODELS = ("PointSegNet", "PointTransformer")  # their options: pimm.config.valid
 # the `feat` columns every dataset gives a point (pimm.data.dataset): a model's in_channels must match
 FEATURE_COLUMNS = ("x", "y", "z", "log_energy")
 TASKS = ("SemanticSegmentation",)  # pimm.tasks
+LOSSES = ("CrossEntropy", "Lovasz", "Focal")  # task.loss=[dict(type=..., weight=...)]: pimm.tasks.losses
 SERIALIZATION_ORDERS = ("z", "z-trans", "hilbert", "hilbert-trans")  # PointTransformer orders=...
 DATASETS = ("LArTPCDataset", "PILArNetDataset")
 PILARNET_REVISIONS = ("v1", "v2", "v3")  # PILArNetDataset revision=...; cluster columns in pimm.data.pilarnet_file

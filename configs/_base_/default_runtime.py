@@ -33,8 +33,10 @@ tensorboard = dict(enabled=False)  # True: rank 0 also writes the metrics record
 wandb = dict(enabled=False, mode="offline", project="pimm", entity=None, group=None, tags=None, system_metrics=True)
 
 # what is learned: per-point classes. ignore_index: the label that counts in neither loss nor metrics
-# (PILArNet's -1); class_weights: one loss weight per class (None: equal); best_metric picks model_best.pth
-task = dict(type="SemanticSegmentation", class_weights=None, ignore_index=-1, best_metric="miou")
+# (PILArNet's -1); class_weights: one loss weight per class (None: equal); best_metric picks model_best.pth;
+# loss: terms summed with their weights, per event (CrossEntropy, Lovasz, Focal with gamma=2.0; pimm.tasks.losses)
+task = dict(type="SemanticSegmentation", class_weights=None, ignore_index=-1, best_metric="miou",
+            loss=[dict(type="CrossEntropy", weight=1.0)])
 data = dict(num_classes=5, names=["shower", "track", "michel", "delta", "low_energy"], train=None, val=None, test=None)
 # fine-tuning. pretrained: weights to start from (--train.weight PATH sets path): a .pth/.safetensors
 # file (a bare state_dict, or one under 'state_dict'/'model'; a DDP 'module.' prefix is removed), a

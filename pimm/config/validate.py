@@ -289,12 +289,12 @@ def check_config(cfg: dict) -> None:
             f"per point ({', '.join(names.FEATURE_COLUMNS)}): set model.in_channels={len(names.FEATURE_COLUMNS)}")
     task = cfg.get("task")
     if isinstance(task, dict):
-        unknown = sorted(set(task) - {"type", "class_weights", "ignore_index", "best_metric"})
+        unknown = sorted(set(task) - {"type", "class_weights", "ignore_index", "best_metric", "loss"})
         if unknown:
             raise ConfigError(f"task.{unknown[0]} is not an option of {task['type']}; its options are "
-                              "class_weights, ignore_index, best_metric.")
+                              "class_weights, ignore_index, best_metric, loss.")
         check_segmentation_options(num_classes, task.get("class_weights"), task.get("ignore_index", -1),
-                                   task.get("best_metric", "miou"))
+                                   task.get("best_metric", "miou"), task.get("loss", DEFAULT_LOSS))
     class_names = data.get("names")
     if class_names is not None and len(class_names) != num_classes:
         raise ConfigError(
@@ -319,8 +319,53 @@ def check_config(cfg: dict) -> None:
 SEGMENTATION_METRICS = {"miou": True, "accuracy": True, "loss": False}
 
 
-def check_segmentation_options(num_classes, class_weights, ignore_index, best_metric) -> None:
-    """ConfigError for task options SemanticSegmentation cannot use (also run by the launcher)."""
+# task.loss: terms of pimm.tasks.losses, summed with their weights; the default is plain cross-entropy
+DEFAULT_LOSS = [{"type": "CrossEntropy", "weight": 1.0}]
+# loss type -> its options besides type and weight (the constructor arguments of pimm.tasks.losses)
+LOSS_OPTIONS: dict[str, dict[str, Rule]] = {
+    "CrossEntropy": {},
+    "Lovasz": {},
+    "Focal": {"gamma": number(0, strict=False)},
+}
+
+
+def check_loss_terms(loss: Any) -> None:
+    """ConfigError for a task.loss that is not a non-empty list of known loss terms with valid options."""
+    example = "e.g. [dict(type='CrossEntropy', weight=1.0), dict(type='Lovasz', weight=1.0)]"
+    if not isinstance(loss, (list, tuple)) or not loss or not all(isinstance(t, dict) for t in loss):
+        raise ConfigError(f"task.loss={loss!r:.80} is not allowed: give a non-empty list of "
+                          f"dict(type=..., weight=...) loss terms ({', '.join(names.LOSSES)}), {example}")
+    for i, term in enumerate(loss):
+        key = f"task.loss[{i}]"
+        kind = term.get("type")
+        if kind not in names.LOSSES:
+            close = difflib.get_close_matches(str(kind), names.LOSSES, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else "."
+            raise ConfigError(f"{key}.type={kind!r} is not a loss type{hint} Loss types: {', '.join(names.LOSSES)}")
+        options = LOSS_OPTIONS[kind]
+        for option, value in term.items():
+            if option == "type":
+                continue
+            if option == "weight":
+                rule = number(0, strict=False)
+            elif option in options:
+                rule = options[option]
+            else:
+                close = difflib.get_close_matches(option, [*options, "weight"], n=1)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                raise ConfigError(f"{key}.{option} is not an option of loss {kind}; {hint}its options are "
+                                  f"{', '.join(['weight', *options])}")
+            if not rule.ok(value):
+                raise ConfigError(f"{key}.{option}={value!r} is not allowed: it must be {rule.allowed}")
+    if not any(term.get("weight", 1.0) > 0 for term in loss):
+        raise ConfigError(f"task.loss has every weight 0, so nothing would be learned: give at least one loss term "
+                          f"a weight > 0, {example}")
+
+
+def check_segmentation_options(num_classes, class_weights, ignore_index, best_metric, loss=None) -> None:
+    """ConfigError for task options SemanticSegmentation cannot use (also run by the launcher).
+    loss=None: the default, DEFAULT_LOSS."""
+    check_loss_terms(DEFAULT_LOSS if loss is None else loss)
     if class_weights is not None:
         weights = list(class_weights) if isinstance(class_weights, (list, tuple)) else None
         numbers = weights is not None and all(
@@ -492,10 +537,6 @@ def check_transforms(dataset: dict, where: str) -> None:
                 raise ConfigError(f"{key}: {kind} comes after {feature} ({where}.transforms[{seen[feature]}]), "
                                   f"which has already computed the features from the points; put {feature} after it")
         seen.setdefault(kind, i)
-
-
-_PRETRAINED_OPTIONS = ("path", "key_map", "strict", "skip")
-_GROUP_OPTIONS = ("params", "lr_scale", "weight_decay")  # as pimm.engine.optim.GROUP_OPTIONS (no torch import here)
 
 
 _PRETRAINED_OPTIONS = ("path", "key_map", "strict", "skip")

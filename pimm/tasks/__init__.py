@@ -10,6 +10,7 @@ class here, not a fork of the loop.
 
 from pimm.registry import Registry
 from pimm.tasks.base import Meter, Task, TaskOutput
+from pimm.tasks.losses import LOSSES
 from pimm.tasks.segmentation import SemanticSegmentation, event_mean_loss
 
 TASKS = Registry("task")
@@ -23,4 +24,4 @@ def build_task(cfg: dict) -> Task:
     return TASKS.build(task, num_classes=int(data["num_classes"]), class_names=data.get("names"))
 
 
-__all__ = ["TASKS", "Meter", "SemanticSegmentation", "Task", "TaskOutput", "build_task", "event_mean_loss"]
+__all__ = ["LOSSES", "TASKS", "Meter", "SemanticSegmentation", "Task", "TaskOutput", "build_task", "event_mean_loss"]
