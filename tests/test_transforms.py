@@ -5,8 +5,10 @@ import pytest
 from conftest import REPO, TINY, launch, losses, run_pimm
 
 from pimm import names
+from pimm.config import apply_overrides, load_config, parse_overrides
 from pimm.config.validate import TRANSFORM_ARGUMENTS, check_transforms
-from pimm.data.dataset import LArTPCDataset
+from pimm.data.dataset import LArTPCDataset, PILArNetDataset, build_dataset
+from pimm.data.synth import write_pilarnet
 from pimm.data.transforms import build_transforms, features
 from pimm.errors import ConfigError
 
@@ -110,6 +112,16 @@ def test_dataset_applies_transforms_and_reports_kept_point_indices(tiny_data):
         LArTPCDataset(tiny_data["val"], augment=True, transforms=specs)
 
 
+def test_pilarnet_point_indices_are_rows_of_the_stored_event_through_the_energy_cut(tmp_path):
+    (path,) = write_pilarnet(tmp_path / "p.h5", 3, seed=6)
+    specs = [dict(type="GridSample", grid_size=8.0), dict(type="RandomCrop", max_points=30)]
+    for transforms in (None, specs):
+        ds = PILArNetDataset(path, energy_threshold=0.5, transforms=transforms)
+        item, raw, pi = ds[0], ds.read_raw(0), ds.point_index(0)
+        assert len(pi) == len(item["coord"]) < len(raw["point"])
+        np.testing.assert_array_equal(raw["point"][pi, :3].astype(np.float32), item["coord"].numpy())
+
+
 @pytest.mark.parametrize(("specs", "message"), [
     ([dict(type="RandomRotat")], "did you mean 'RandomRotate'"),
     ([dict(type="Jitter", sigmaa=1)], "Did you mean 'sigma'"),
@@ -157,3 +169,8 @@ def test_one_and_two_ranks_train_on_the_same_transformed_events(tmp_path, tiny_d
     assert len(l1) == len(l2) == 3
     for step in l1:
         assert abs(l1[step] - l2[step]) <= 1e-5 * abs(l1[step]), (step, l1[step], l2[step])
+    # the override reaches the training set: at most 300 points an event, as RandomCrop says
+    cfg = apply_overrides(load_config(REPO / "configs" / f"{TINY}.py"), parse_overrides(
+        [f"data.train.path={tiny_data['train']}", *common]))
+    train = build_dataset(cfg["data"]["train"], seed=cfg["seed"])
+    assert len(train.read_raw(0)["coord"]) > 300 >= len(train[(0, 0)]["coord"])
