@@ -126,9 +126,9 @@ class NormalizeCoord(Transform):
     """Feature x, y, z: the coordinates minus the event's mean, divided by its largest distance from it."""
 
     def __call__(self, event, rng, context):
-        centred = event["coord"].astype(np.float64) - event["coord"].mean(axis=0) if len(event["coord"]) else \
-            np.zeros((0, 3))
-        radius = np.sqrt((centred**2).sum(axis=1)).max() if len(centred) else 0.0
+        coord = event["coord"].astype(np.float64)
+        centred = coord - coord.mean(axis=0) if len(coord) else coord
+        radius = np.sqrt((centred**2).sum(axis=1)).max() if len(coord) else 0.0
         return {**event, "feat_coord": (centred / (radius if radius > 0 else 1.0)).astype(np.float32)}
 
 
