@@ -139,7 +139,7 @@ def weight_files(tmp_path_factory) -> dict[str, Path]:
     files = {name: root / f"{name}.pth" for name in ("fits", "other", "wrapped")}
     torch.save(PointSegNet(channels=16, grid_sizes=[4, 16]).state_dict(), files["fits"])
     torch.save(PointSegNet(channels=48, grid_sizes=[4, 16, 8]).state_dict(), files["other"])
-    torch.save({"model": PointSegNet(channels=16, grid_sizes=[4, 16]).state_dict(), "epoch": 3}, files["wrapped"])
+    torch.save({"weights": PointSegNet(channels=16, grid_sizes=[4, 16]).state_dict(), "epoch": 3}, files["wrapped"])
     files["text"] = root / "notes.pth"
     files["text"].write_text("these are not weights")
     return files
@@ -150,7 +150,7 @@ def weight_files(tmp_path_factory) -> dict[str, Path]:
     [
         ("other", ["do not fit model PointSegNet(", "channels=16", "8 unexpected keys (blocks.2.",
                    "23 shape mismatches (stem.0.weight: [48, 4] in the file, [16, 4] in the model;"]),
-        ("wrapped", ["not a state_dict of tensors", "key 'model'"]),
+        ("wrapped", ["not a state_dict of tensors", "key 'weights'"]),
         ("text", ["cannot read weights", "not a torch file of tensors"]),
     ],
 )

@@ -216,10 +216,15 @@ class LArTPCDataset(Dataset):
         context = {"volume_size": float(self.volume_size), "energy_scale": self.energy_scale}
         return self.transforms(event, self.seed, epoch, index, context)
 
-    def point_index(self, key: int | tuple[int, int]) -> np.ndarray:
+    def point_index(self, key: int | tuple[int, int], count: int | None = None) -> np.ndarray:
         """(N,) int32: the stored point index (its row in the event as stored, before any point cut) of
-        each point `self[key]` gives, in the same order; re-reads the event when points were dropped."""
+        each point `self[key]` gives, in the same order; re-reads the event when points may have been
+        dropped. `count`: the number of points `self[key]` gave, which spares the read otherwise."""
         epoch, index = self._parse_key(key)
+        cut = getattr(self, "cut", (0.0, False))
+        drops = self.augment or (self.transforms is not None and self.transforms.drops_points)
+        if not drops and not (cut[0] > 0 or cut[1]) and count is not None:
+            return np.arange(count, dtype=np.int32)  # every stored point, in order: nothing to read
         if self.transforms is not None and self.transforms.drops_points:
             return self._transformed(epoch, index)["point_index"].astype(np.int32)
         if self.augment:  # the built-in augmentation drops points pushed out of the volume

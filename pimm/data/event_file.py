@@ -89,9 +89,6 @@ def _read_index(path: str | Path, labels: bool = True) -> tuple[dict[str, Any], 
                 )
             num_events = int(f.attrs["num_events"])
             has_labels = "segment" in f
-            if not has_labels and labels:
-                raise _fail(path, "has no labels (no 'segment' dataset); evaluation needs labelled events",
-                            "give a labelled file, or get predictions without metrics with `pimm predict`")
             for name, (ndim, tail, kind) in _REQUIRED_DATASETS.items():
                 if name == "segment" and not has_labels:
                     continue
@@ -106,6 +103,9 @@ def _read_index(path: str | Path, labels: bool = True) -> tuple[dict[str, Any], 
                         path,
                         f"dataset '{name}' has dtype {d.dtype}, expected {_KIND_NAMES[kind]} ({_DTYPES[name].name})",
                     )
+            if not has_labels and labels:  # a data file otherwise: say what it lacks for this use
+                raise _fail(path, "has no labels (no 'segment' dataset); evaluation needs labelled events",
+                            "give a labelled file, or get predictions without metrics with `pimm predict`")
             rows = f["coord"].shape[0]
             columns = ("coord", "energy", "segment") if has_labels else ("coord", "energy")
             for name in columns[1:]:

@@ -94,16 +94,12 @@ def prediction_sources(dataset) -> tuple[list[str], Callable[[int], tuple[int, i
 
 
 def point_index(dataset, index: int, count: int) -> np.ndarray:
-    """The stored point index of each of event `index`'s `count` points (a point cut drops some)."""
-    cut = getattr(dataset, "cut", None)
-    if cut is not None and (cut[0] > 0 or cut[1]):
-        from pimm.data.pilarnet_file import kept_points
-
-        raw = dataset.read_raw(index)
-        keep = kept_points(raw["point"], raw["cluster"], cut)
-        if keep is not None:
-            return np.flatnonzero(keep).astype(np.int32)
-    return np.arange(count, dtype=np.int32)
+    """The stored point index of each of event `index`'s `count` points, as the dataset gives them
+    (a point cut, GridSample or RandomCrop drops points; transforms are deterministic per event)."""
+    out = dataset.point_index(index, count)
+    if len(out) != count:
+        raise RuntimeError(f"event {index}: the dataset gives {len(out)} point indices for {count} points")
+    return out
 
 
 def prediction_writer(path: Path, dataset, cfg: dict, split: str, save_scores: bool, attrs: dict,
