@@ -37,7 +37,7 @@ def test_unknown_override_key_names_the_closest_keys(tiny_data):
     assert refusal("lr=0.1") == (
         "pimm: error: unknown config key 'lr'; did you mean 'optimizer.lr'? Overrides can only change keys "
         "that exist; add new keys in the config file.")
-    assert "did you mean one of 'data.train.path', 'data.val.path'?" in refusal("path=x.h5")
+    assert "did you mean one of 'data.train.path', 'data.val.path', 'pretrained.path'?" in refusal("path=x.h5")
     assert refusal("zzz=1").startswith("pimm: error: unknown config key 'zzz'. Overrides can only")
 
 
