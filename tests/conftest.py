@@ -179,6 +179,13 @@ def metrics_lines(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def signal_all(pids: list[int], sig: int) -> None:
+    """Send `sig` to each of `pids` (as Slurm signals every process of a step); gone ones are skipped."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 def kill_run(proc: subprocess.Popen, run_dir: Path) -> None:
     """Test cleanup: SIGKILL the launcher's group and anything else of the run still alive."""
     with contextlib.suppress(ProcessLookupError):

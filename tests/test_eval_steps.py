@@ -4,13 +4,11 @@ SIGUSR1 (every process, loader workers on) and resumed on another number of proc
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 
 import pytest
-from conftest import kill_run, launch, metrics_lines, processes_of, start_launch, wait_for_run
+from conftest import kill_run, launch, metrics_lines, processes_of, signal_all, start_launch, wait_for_run
 
 EVERY_5 = ("eval_every_n_steps=5", "epochs=2", "num_worker=2")  # 12 steps per epoch, 24 in all
 
@@ -39,9 +37,7 @@ def test_validation_every_n_steps_survives_a_stop_and_a_topology_change(tmp_path
     run_dir = exp / "tests" / "job"
     try:
         wait_for_run(proc, lambda: metrics_lines(run_dir) >= 8)  # past the validation of step 5
-        for pid in processes_of(run_dir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGUSR1)
+        signal_all(processes_of(run_dir), signal.SIGUSR1)
         out, err = proc.communicate(timeout=120)
     finally:
         kill_run(proc, run_dir)

@@ -1,7 +1,6 @@
 """Stop, resume and launch the way a cluster runs them: loader workers on, signals to every process
 of the job, a SIGKILLed launcher, a second launch of a running run, resume with changes."""
 
-import contextlib
 import json
 import os
 import shlex
@@ -23,18 +22,13 @@ from conftest import (
     metrics_lines,
     processes_of,
     run_pimm,
+    signal_all,
     start_launch,
     steps,
     wait_for_run,
     wait_until,
     weights,
 )
-
-
-def _signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
 
 
 def _continue_command(stderr: str) -> list[str]:
@@ -65,7 +59,7 @@ def test_sigusr1_to_every_process_with_loader_workers_then_the_printed_command_r
         wait_for_run(proc, lambda: metrics_lines(run_dir) >= 3)
         # launcher, torchrun, 2 ranks and their 2 loader workers each
         assert wait_until(lambda: len(processes_of(run_dir)) >= 8, timeout=30), processes_of(run_dir)
-        _signal_all(processes_of(run_dir), signal.SIGUSR1)
+        signal_all(processes_of(run_dir), signal.SIGUSR1)
         out, err = proc.communicate(timeout=120)
     finally:
         kill_run(proc, run_dir)
@@ -99,9 +93,9 @@ def test_stop_signal_to_torchrun_only_or_to_the_ranks_only(tmp_path, tiny_data, 
         if target == "torchrun":
             torchrun = [p for p in processes_of(run_dir)
                         if b"pimm.launch.torchrun" in Path(f"/proc/{p}/cmdline").read_bytes()]
-            _signal_all(torchrun, signal.SIGTERM)
+            signal_all(torchrun, signal.SIGTERM)
         else:
-            _signal_all(_ranks(run_dir), signal.SIGTERM)
+            signal_all(_ranks(run_dir), signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
         kill_run(proc, run_dir)
@@ -243,7 +237,7 @@ def test_stop_signal_during_validation_checkpoints_the_epoch_end_step(tmp_path, 
     run_dir = tmp_path / "tests" / "val"
     try:
         wait_for_run(proc, lambda: metrics_lines(run_dir) >= 12)  # step 12's train line: validation begins
-        _signal_all(processes_of(run_dir), signal.SIGTERM)
+        signal_all(processes_of(run_dir), signal.SIGTERM)
         out, err = proc.communicate(timeout=180)
     finally:
         kill_run(proc, run_dir)

@@ -4,7 +4,6 @@ FSDP2), and the backbone benchmark end to end."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -22,6 +21,7 @@ from conftest import (
     metrics_lines,
     processes_of,
     run_pimm,
+    signal_all,
     start_launch,
     steps,
     wait_for_run,
@@ -279,9 +279,7 @@ def test_sigusr1_to_every_process_with_loader_workers_then_resume_is_bit_exact(t
     try:
         wait_for_run(proc, lambda: metrics_lines(run_dir) >= 3)
         assert wait_until(lambda: len(processes_of(run_dir)) >= 8, timeout=30), processes_of(run_dir)
-        for pid in processes_of(run_dir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGUSR1)
+        signal_all(processes_of(run_dir), signal.SIGUSR1)
         out, err = proc.communicate(timeout=120)
     finally:
         kill_run(proc, run_dir)
