@@ -10,6 +10,8 @@ SCHEDULERS = ("OneCycleLR", "CosineAnnealingLR", "StepLR", "MultiStepLR", "Const
 MODELS = ("PointSegNet", "PointTransformer")  # their options: pimm.config.validate.MODEL_OPTIONS
 # the `feat` columns every dataset gives a point (pimm.data.dataset): a model's in_channels must match
 FEATURE_COLUMNS = ("x", "y", "z", "log_energy")
+# how a dataset computes them (features=...): pimm.data.transforms.feature_columns
+FEATURE_MODES = ("pimm", "published")
 TASKS = ("SemanticSegmentation",)  # pimm.tasks
 LOSSES = ("CrossEntropy", "Lovasz", "Focal")  # task.loss=[dict(type=..., weight=...)]: pimm.tasks.losses
 SERIALIZATION_ORDERS = ("z", "z-trans", "hilbert", "hilbert-trans")  # PointTransformer orders=...

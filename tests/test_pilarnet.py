@@ -3,6 +3,7 @@ labels, multi-shard layouts, the launcher's torch-free checks, and one short rea
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import torch
 from conftest import REPO, attempts, losses, run_pimm, steps
 from torch.utils.data import DataLoader
 
+from pimm.cli import main
 from pimm.config import load_config
 from pimm.config.validate import check_config
 from pimm.data import pilarnet_file
@@ -44,28 +46,111 @@ def _event(clusters: list[list[int]], revision: str = "v2", seed: int = 0) -> di
     return {"point": point, "cluster": cluster}
 
 
-@pytest.mark.parametrize("revision", ["v1", "v2"])
+@pytest.mark.parametrize("revision", ["v1", "v2", "v3"])
 def test_generated_shard_reads_back_the_generators_points_and_labels(tmp_path: Path, revision: str) -> None:
     (path,) = write_pilarnet(tmp_path / "one.h5", 6, seed=4, revision=revision)
-    labels = ["motif", "pid"] if revision == "v2" else ["motif"]
-    sets = {label: PILArNetDataset(path, revision=revision, label=label, volume_size=256.0) for label in labels}
+    labels = ["motif", "pid"] if revision != "v1" else ["motif"]
+    sets = {label: PILArNetDataset(path, revision=revision, label=label) for label in labels}
     assert len(sets["motif"]) == 6 and sets["motif"].info["num_events"] == 6
     for i in range(6):
-        e, order = _stored(4, i)
+        e = pilarnet_event(4, i, revision)  # the generator's event in stored order
         raw = sets["motif"].read_raw(i)
-        assert raw["point"].shape == (len(order), 8)
+        assert raw["point"].shape == (len(e["coord"]), 8)
         assert raw["cluster"].shape[1] == (5 if revision == "v1" else 6)
-        np.testing.assert_array_equal(raw["coord"], e["coord"][order])
-        np.testing.assert_array_equal(raw["energy"], e["energy"][order])
-        np.testing.assert_array_equal(raw["segment"], e["segment"][order])
-        if revision == "v2":
-            np.testing.assert_array_equal(sets["pid"].read_raw(i)["segment"], e["pid"][order])
+        np.testing.assert_array_equal(raw["coord"], e["coord"])
+        np.testing.assert_array_equal(raw["energy"], e["energy"])
+        np.testing.assert_array_equal(raw["segment"], e["segment"])
+        if revision != "v1":  # pid -1 (the low-energy deposits) is class 5 "none" by default
+            np.testing.assert_array_equal(sets["pid"].read_raw(i)["segment"], np.where(e["pid"] < 0, 5, e["pid"]))
         item = sets["motif"][(0, i)]
-        assert item["event_id"] == i and item["feat"].shape == (len(order), 4)
+        assert item["event_id"] == i and item["feat"].shape == (len(e["coord"]), 4)
         assert item["coord"].dtype == torch.float32 and item["segment"].dtype == torch.int64
-        assert torch.equal(item["segment"], torch.from_numpy(e["segment"][order].astype(np.int64)))
+        assert torch.equal(item["segment"], torch.from_numpy(e["segment"].astype(np.int64)))
+        assert float(item["feat"][:, :3].min()) >= -1.0 and float(item["feat"][:, :3].max()) <= 1.0  # 768 cube
     batch = collate_events([sets["motif"][i] for i in range(3)])
     assert batch["offset"].tolist()[-1] == len(batch["coord"])
+
+
+def test_synthetic_shards_have_the_published_layout(tmp_path: Path) -> None:
+    """Integer voxels in the 768 cube; v2/v3 cluster rows [size, cluster_id, group_id, interaction_id,
+    semantic, pid] with the low-energy cluster first and ids -1; shower fragments under one group;
+    cluster_extra 5 (v2) or 6 (v3: mass, momentum, vertex x/y/z, is_primary) per cluster."""
+    for revision, width in (("v2", 5), ("v3", 6)):
+        root = tmp_path / revision
+        write_pilarnet(root, 30, seed=12, revision=revision, shards=2)
+        assert pilarnet_file.detect_revision(root) == revision
+        fragments = 0
+        for shard in sorted(root.glob("train/*.h5")):
+            with h5py.File(shard) as f:
+                assert set(f) == {"point", "cluster", "cluster_extra"}
+                for point_row, cluster_row, extra_row in zip(f["point"], f["cluster"], f["cluster_extra"]):
+                    point, cluster = point_row.reshape(-1, 8), cluster_row.reshape(-1, 6)
+                    extra = extra_row.reshape(-1, width)
+                    assert len(extra) == len(cluster) and cluster[:, 0].sum() == len(point)
+                    assert np.array_equal(point[:, :3], np.floor(point[:, :3]))
+                    assert point[:, :3].min() >= 0 and point[:, :3].max() <= 767
+                    size, cluster_id, group_id, interaction, semantic, pid = cluster.T
+                    assert semantic[0] == LOW_ENERGY and cluster_id[0] == group_id[0] == pid[0] == -1
+                    assert interaction[0] == -1 and (cluster_id[1:] == np.arange(len(cluster) - 1)).all()
+                    assert (group_id[1:] >= 0).all() and (pid[1:] >= 0).all() and (semantic[1:] != LOW_ENERGY).all()
+                    for g in np.unique(group_id[1:]):  # a group with several clusters is a fragmented shower
+                        members = np.flatnonzero(group_id == g)
+                        if len(members) > 1:
+                            fragments += 1
+                            assert (semantic[members] == 0).all() and len(set(pid[members])) == 1
+                    # vertex: the group's first voxel; mass by particle type; v3 is_primary for tracks and showers
+                    first = np.cumsum(size) - size
+                    np.testing.assert_array_equal(extra[1:, 2:5], point[first[1:], :3][
+                        [int(np.flatnonzero(group_id == g)[0]) - 1 for g in group_id[1:]]])
+                    assert np.allclose(extra[pid == 2, 0], 105.66, atol=0.01)
+                    if revision == "v3":
+                        assert (extra[:, 5] == np.isin(semantic, (0, 1)) * (cluster_id >= 0)).all()
+        assert fragments > 0
+    assert pilarnet_file.detect_revision(write_pilarnet(tmp_path / "v1.h5", 2, seed=1, revision="v1")[0]) == "v1"
+
+
+def test_points_per_event_gives_realistic_event_sizes(tmp_path: Path, capsys) -> None:
+    sizes = [len(pilarnet_event(3, i, points_per_event=4000)["coord"]) for i in range(12)]
+    assert 3000 <= np.mean(sizes) <= 5000, sizes
+    sparse = [len(pilarnet_event(3, i)["coord"]) for i in range(12)]
+    assert np.mean(sparse) < 1000
+    e = pilarnet_event(3, 0, points_per_event=4000)
+    again = pilarnet_event(3, 0, points_per_event=4000)  # a pure function of (seed, index, size)
+    assert all(np.array_equal(e[k], again[k]) for k in e)
+    assert len(np.unique(e["point"][:, :3], axis=0)) > 0.9 * len(e["point"])  # mostly one point per voxel
+    assert main(["data", "synth", "--layout", "pilarnet", "--out", str(tmp_path / "d"), "--events", "3",
+                 "--points-per-event", "2000"]) == 0
+    code = main(["data", "synth", "--out", str(tmp_path / "x.h5"), "--events", "3", "--points-per-event", "2000"])
+    assert code == 2 and "applies to --layout pilarnet" in capsys.readouterr().err
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_published_feature_normalisation_against_a_hand_computation(tmp_path: Path) -> None:
+    (path,) = write_pilarnet(tmp_path / "n.h5", 3, seed=7)
+    published = PILArNetDataset(path, features="published")
+    for i in range(3):
+        raw, feat = published.read_raw(i), published[i]["feat"].double().numpy()
+        coord, energy = raw["coord"].astype(np.float64), raw["energy"].astype(np.float64)
+        np.testing.assert_allclose(feat[:, :3], (coord - 384.0) / (768.0 * np.sqrt(3.0) / 2.0), atol=1e-6)
+        e = np.clip(energy, 0.01, 20.0)
+        np.testing.assert_allclose(feat[:, 3], (np.log10(e) - np.log10(0.01)) / (np.log10(20.0) - np.log10(0.01))
+                                   * 2.0 - 1.0, atol=1e-6)
+        assert np.sqrt((feat[:, :3] ** 2).sum(axis=1)).max() <= 1.0 and np.abs(feat[:, 3]).max() <= 1.0
+    pimm_feat = PILArNetDataset(path)[0]["feat"].numpy()
+    np.testing.assert_allclose(pimm_feat[:, :3], published.read_raw(0)["coord"] * (2.0 / 768.0) - 1.0, atol=1e-6)
+    with pytest.raises(ConfigError, match="features='unit' is unknown; use one of pimm, published"):
+        PILArNetDataset(path, features="unit")
+    # an export records how its inputs were computed; pimm predict reads new data the same way
+    from pimm.cli.export import export_config
+    from pimm.cli.predict import _data_source
+    from pimm.config import load_config
+
+    cfg = load_config(REPO / "configs" / "pilarnet" / "semseg.py")
+    recorded = export_config(cfg, "last", 3)["preprocessing"]
+    assert recorded == {"dataset": "PILArNetDataset", "features": "published", "energy_scale": 1.0,
+                        "volume_size": 768.0, "transforms": None}
+    data, _ = _data_source(argparse.Namespace(data=path, split=None), recorded)
+    assert data["features"] == "published" and data["volume_size"] == 768.0 and data["revision"] == "v2"
 
 
 def test_dtypes_come_from_the_file(tmp_path: Path) -> None:
@@ -125,7 +210,7 @@ def test_unwritable_directory_keeps_the_index_in_memory(tmp_path: Path, monkeypa
     assert len(PILArNetDataset(tmp_path / "ro")) == 6 and not scans  # this process does not scan again
 
 
-def test_energy_threshold_cuts_points_and_min_points_counts_what_is_left(tmp_path: Path, monkeypatch) -> None:
+def test_energy_threshold_cuts_points_and_min_points_counts_stored_points(tmp_path: Path, monkeypatch) -> None:
     (path,) = write_pilarnet(tmp_path / "sel.h5", 12, seed=6)
     events = [pilarnet_event(6, i) for i in range(12)]
     sizes = np.array([len(e["coord"]) for e in events])
@@ -136,10 +221,12 @@ def test_energy_threshold_cuts_points_and_min_points_counts_what_is_left(tmp_pat
     real_scan, real_count = pilarnet_file._scan, pilarnet_file._count_kept
     monkeypatch.setattr(pilarnet_file, "_scan", lambda *a: scans.append(a) or real_scan(*a))
     monkeypatch.setattr(pilarnet_file, "_count_kept", lambda *a: passes.append(a) or real_count(*a))
+    both = {"min_points": min_points, "energy_threshold": threshold}
     for kwargs, keep in (
         ({"min_points": min_points}, sizes >= min_points),
         ({"energy_threshold": threshold}, above > 0),
-        ({"min_points": min_points, "energy_threshold": threshold}, above >= min_points),
+        (both, (sizes >= min_points) & (above > 0)),  # the published readers: min_points counts stored points
+        ({**both, "min_points_after_cut": True}, above >= min_points),
     ):
         ds = PILArNetDataset(path, **kwargs)
         assert 0 < len(ds) <= 12 and len(ds) == keep.sum(), kwargs
@@ -152,24 +239,29 @@ def test_energy_threshold_cuts_points_and_min_points_counts_what_is_left(tmp_pat
             np.testing.assert_array_equal(raw["coord"], e["coord"][cut])
             np.testing.assert_array_equal(raw["segment"], e["segment"][cut])
             assert raw["point"].shape == (len(e["coord"]), 8)  # the stored event, uncut
-            assert len(ds[(0, i)]["coord"]) == cut.sum() >= kwargs.get("min_points", 1)
+            counted = cut.sum() if kwargs.get("min_points_after_cut") else len(e["coord"])
+            assert len(ds[(0, i)]["coord"]) == cut.sum() >= 1 and counted >= kwargs.get("min_points", 1)
         assert ds.info["events_in_files"] == 12
-    assert len(ds) < (sizes >= min_points).sum()  # the cut changes which events have min_points
+    assert len(ds) < len(PILArNetDataset(path, **both))  # counting after the cut keeps fewer events
     # one full scan, then one pass for the new threshold; later starts read both from the cache
     assert len(scans) == 1 and len(passes) == 1
     PILArNetDataset(path, min_points=min_points, energy_threshold=threshold)
     assert len(scans) == 1 and len(passes) == 1
     ds = PILArNetDataset(path, min_points=min_points, max_len=2)
     assert len(ds) == 2
-    hashes = {PILArNetDataset(path, min_points=m, energy_threshold=t).info["content_hash"]
-              for m in (0, min_points) for t in (0.0, threshold)}
-    assert len(hashes) == 4  # the selection and the cut are part of the identity the resume cursor checks
-    with pytest.raises(DataError, match="no event of 12 .* has >= 100000 points above"):
+    hashes = {PILArNetDataset(path, min_points=m, energy_threshold=t, min_points_after_cut=a).info["content_hash"]
+              for m in (0, min_points) for t in (0.0, threshold) for a in (False, True)}
+    assert len(hashes) == 5  # the selection and the cut are part of the identity the resume cursor checks
+    with pytest.raises(DataError, match="no event of 12 .* has >= 100000 stored points and at least one point above"):
         PILArNetDataset(path, min_points=100_000, energy_threshold=threshold)
+    with pytest.raises(DataError, match="no event of 12 .* has >= 100000 points above"):
+        PILArNetDataset(path, min_points=100_000, energy_threshold=threshold, min_points_after_cut=True)
     with pytest.raises(ConfigError, match="min_points must be an integer >= 0"):
         PILArNetDataset(path, min_points=-1)
     with pytest.raises(ConfigError, match="energy_threshold must be a finite number >= 0"):
         PILArNetDataset(path, energy_threshold=float("nan"))
+    with pytest.raises(ConfigError, match="min_points_after_cut must be true or false, got 'yes'"):
+        PILArNetDataset(path, min_points_after_cut="yes")
 
 
 def test_remove_low_energy_scatters_drops_the_first_cluster_only_when_it_is_one(tmp_path: Path) -> None:
@@ -183,9 +275,11 @@ def test_remove_low_energy_scatters_drops_the_first_cluster_only_when_it_is_one(
     np.testing.assert_array_equal(ds.read_raw(0)["coord"], _event(scatters_first)["point"][3:, :3])
     assert ds.read_raw(1)["segment"].tolist() == [1, 1, 1, 1, 0, 0]
     assert len(PILArNetDataset(path, remove_low_energy_scatters=True, min_points=6)) == 2
-    assert len(PILArNetDataset(path, min_points=7)) == 1  # without the option the scatters count
+    assert len(PILArNetDataset(path, min_points=7)) == 1
+    # min_points counts stored points (the scatters too) unless min_points_after_cut
+    assert len(PILArNetDataset(path, remove_low_energy_scatters=True, min_points=7)) == 1
     with pytest.raises(DataError, match="outside the low-energy scatters"):
-        PILArNetDataset(path, remove_low_energy_scatters=True, min_points=7)
+        PILArNetDataset(path, remove_low_energy_scatters=True, min_points=7, min_points_after_cut=True)
     with pytest.raises(ConfigError, match="remove_low_energy_scatters must be true or false"):
         PILArNetDataset(path, remove_low_energy_scatters="yes")
 
@@ -197,11 +291,16 @@ def test_ignore_labels_stay_minus_one_and_the_trainer_skips_them(tmp_path: Path)
     motif = PILArNetDataset(path, label="motif")
     assert motif.read_raw(0)["segment"].tolist() == [4, 4, 4, -1, -1, -1, -1, 1, 1]
     assert motif[1]["segment"].tolist() == [4, 4, 4, -1, -1, -1, -1, 1, 1]
+    # pid -1 is class 5 "none" by default, as the published readers map it; the option keeps it unlabelled
     pid = PILArNetDataset(path, label="pid")
-    assert pid.read_raw(0)["segment"].tolist() == [-1, -1, -1, 2, 2, 2, 2, 4, 4]
-    as_none = PILArNetDataset(path, label="pid", pid_unlabelled_as_none=True)
-    assert as_none.read_raw(0)["segment"].tolist() == [5, 5, 5, 2, 2, 2, 2, 4, 4]
+    assert pid.read_raw(0)["segment"].tolist() == pid[0]["segment"].tolist() == [5, 5, 5, 2, 2, 2, 2, 4, 4]
+    unlabelled = PILArNetDataset(path, label="pid", pid_unlabelled_as_none=False)
+    assert unlabelled.read_raw(0)["segment"].tolist() == [-1, -1, -1, 2, 2, 2, 2, 4, 4]
     assert validate_data({"type": "PILArNetDataset", "path": str(path)}, num_classes=5)["num_events"] == 2
+    # as class "none" the -1 needs no ignore_index; kept unlabelled, ignore_index must be -1
+    assert validate_data(_spec(path, label="pid"), num_classes=6, ignore_index=-100)["num_events"] == 2
+    with pytest.raises(DataError, match="pid label -1 .* task.ignore_index=-100 does not ignore"):
+        validate_data(_spec(path, label="pid", pid_unlabelled_as_none=False), num_classes=6, ignore_index=-100)
 
     batch = collate_events([motif[0], motif[1]])
     logits = torch.randn(len(batch["segment"]), 5)
@@ -243,7 +342,7 @@ def test_directory_of_split_shards(tmp_path: Path) -> None:
 def test_dataset_pickles_without_handles_and_workers_read_the_same(tmp_path: Path) -> None:
     root = tmp_path / "w"
     write_pilarnet(root, 8, seed=5, shards=2)
-    ds = build_dataset({"type": "PILArNetDataset", "path": str(root), "volume_size": 256.0}, seed=0)
+    ds = build_dataset({"type": "PILArNetDataset", "path": str(root)}, seed=0)
     ds.read_raw(0)
     assert ds._files and not pickle.loads(pickle.dumps(ds))._files
     single = [ds[i]["coord"] for i in range(8)]

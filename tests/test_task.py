@@ -82,10 +82,14 @@ def test_bad_task_options_exit_2_before_any_process(tmp_path: Path, tiny_data, o
 
 def test_pilarnet_unlabelled_points_need_ignore_index_minus_1(tmp_path: Path) -> None:
     shard = write_pilarnet(tmp_path / "pid.h5", 8, seed=3)[0]
-    data = [f"data.{s}={{type: PILArNetDataset, path: {shard}, label: pid}}" for s in ("train", "val")]
+    data = [f"data.{s}={{type: PILArNetDataset, path: {shard}, label: pid, pid_unlabelled_as_none: false}}"
+            for s in ("train", "val")]
     args = ["launch", "--train.config", TINY, "--paths.exp-root", str(tmp_path / "exp"), "--dry-run", "--",
             *data, "data.num_classes=6", "model.num_classes=6", "data.names=None"]
     assert run_pimm([*args, "batch_size=2"], REPO).returncode == 0
+    # by default pid -1 is class "none", not unlabelled: any ignore_index outside the classes will do
+    as_none = [arg.replace(", pid_unlabelled_as_none: false", "") for arg in args]
+    assert run_pimm([*as_none, "batch_size=2", "task.ignore_index=-100"], REPO).returncode == 0
     res = run_pimm([*args, "batch_size=2", "task.ignore_index=-100"], REPO)
     assert res.returncode == 2
     assert "pid label -1 (no label), which task.ignore_index=-100 does not ignore" in res.stderr

@@ -8,6 +8,7 @@ import json
 import time
 from pathlib import Path
 
+from pimm.errors import DataError
 from pimm.names import PILARNET_REVISIONS as REVISIONS
 
 
@@ -29,7 +30,11 @@ def add_parser(sub) -> None:
                        help="pimm: pimm's event file (type='LArTPCDataset'); pilarnet: PILArNet-M's layout "
                        "(type='PILArNetDataset'). Default pimm")
     synth.add_argument("--revision", choices=REVISIONS, default="v2",
-                       help="PILArNet cluster columns: v1 (5, no pid) or v2/v3 (6, with pid); default v2")
+                       help="PILArNet cluster columns: v1 (5, no pid) or v2/v3 (6, with pid; cluster_extra 5 or 6 "
+                       "per cluster); default v2")
+    synth.add_argument("--points-per-event", dest="points_per_event", type=int, default=None, metavar="N",
+                       help="PILArNet: about N points per event (real PILArNet-M: ~4,000), each generated point "
+                       "spread over neighbouring voxels; default: one voxel per generated point (~600)")
     synth.add_argument("--shards", type=int, default=1, help="PILArNet shards to split the events into (default 1)")
     synth.add_argument("--split", default="train", help="PILArNet split directory name under --out (default train)")
     synth.set_defaults(run=run_synth)
@@ -37,7 +42,8 @@ def add_parser(sub) -> None:
     describe.add_argument("path", type=Path, help="a pimm event file, or a PILArNet shard or directory of shards")
     describe.add_argument("--split", default="train", help="PILArNet: shards <path>/*SPLIT/*.h5 (default train)")
     describe.add_argument("--revision", choices=REVISIONS, default=None,
-                          help="PILArNet: the files' revision (default: v2 if they have cluster_extra, else v1)")
+                          help="PILArNet: the files' revision (default: detected: v1 without cluster_extra, v3 "
+                          "with 6 cluster_extra values per cluster, else v2)")
     describe.set_defaults(run=run_describe)
 
 
@@ -46,8 +52,12 @@ def run_synth(args: argparse.Namespace) -> int:
     from pimm.data.synth import describe, write_dataset, write_pilarnet
 
     start = time.perf_counter()
+    if args.points_per_event is not None and args.layout != "pilarnet":
+        raise DataError(f"--points-per-event {args.points_per_event} applies to --layout pilarnet; pimm's own "
+                        "event files are written at the generator's density: add --layout pilarnet or leave it out")
     if args.layout == "pilarnet":
-        shards = write_pilarnet(args.out, args.events, args.seed, args.revision, args.shards, args.split)
+        shards = write_pilarnet(args.out, args.events, args.seed, args.revision, args.shards, args.split,
+                                args.points_per_event)
         path = args.out
         info = describe_pilarnet(path, args.split, args.revision)
         where = f"{len(shards)} {args.revision} shard(s) under {path}"

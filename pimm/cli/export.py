@@ -1,8 +1,11 @@
 """`pimm export --run-dir RUN [--checkpoint last|best|step_N] OUT`: a run's weights as a portable directory.
 
     OUT/model.safetensors  the full model state_dict (bare-model names)
-    OUT/config.json        {"model": <the run's cfg["model"]>, "class_names", "num_classes", "pimm_version",
-                            "checkpoint", "step", "config_hash"}; no local paths
+    OUT/config.json        {"model": <the run's cfg["model"]>, "class_names", "num_classes", "preprocessing",
+                            "pimm_version", "checkpoint", "step", "config_hash"}; no local paths.
+                            preprocessing: how the model's inputs are computed (dataset type, features
+                            mode, energy_scale, volume_size, evaluation transforms;
+                            pimm.data.transforms.preprocessing), which `pimm predict` applies
 
 Loading needs neither pimm's trainer nor a process group:
 
@@ -53,6 +56,7 @@ def export_config(cfg: dict, checkpoint: str, step: int | None) -> dict:
     """The config.json of an export of a run with resolved config `cfg`: no data or other local paths."""
     import pimm
     from pimm.config import config_hash
+    from pimm.data.transforms import preprocessing
 
     found = _local_paths(cfg["model"], "model")
     if found:
@@ -62,6 +66,7 @@ def export_config(cfg: dict, checkpoint: str, step: int | None) -> dict:
         "model": cfg["model"],
         "class_names": list(cfg["data"].get("names") or []),
         "num_classes": int(cfg["data"]["num_classes"]),
+        "preprocessing": preprocessing(cfg["data"]),
         "pimm_version": pimm.__version__,
         "checkpoint": checkpoint,
         "step": step,

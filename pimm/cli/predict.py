@@ -50,21 +50,22 @@ def add_parser(sub) -> None:
 
 def _model_source(args: argparse.Namespace) -> dict:
     """{model, num_classes, class_names, weights, step, checkpoint, reader} of --weights; PimmError for
-    anything but a run directory or a `pimm export` directory. `reader` holds the feature options of
-    the run's own PILArNet data (energy_scale, volume_size), which the model was trained with."""
+    anything but a run directory or a `pimm export` directory. `reader` is how the model's inputs were
+    computed (pimm.data.transforms.preprocessing: the run's config, or the export's record of it)."""
     from pimm.checkpoint.weights import EXPORTED_CONFIG, EXPORTED_WEIGHTS
 
     given: Path = args.weights
     if (given / "config.py").is_file():
         from pimm.checkpoint.choose import choose_weights
         from pimm.config import load_config
+        from pimm.data.transforms import preprocessing
 
         cfg = load_config(given / "config.py")
         which = args.checkpoint or ("best" if (given / "model" / "model_best.pth").is_file() else "last")
         weights, step = choose_weights(given, which)
         data = cfg["data"]
         num_classes = int(data["num_classes"])
-        reader = next((d for d in (data.get(s) for s in ("test", "val", "train")) if isinstance(d, dict)), {})
+        reader = preprocessing(data)
         return {"model": cfg["model"], "num_classes": num_classes, "weights": weights, "step": step,
                 "class_names": list(data.get("names") or [str(i) for i in range(num_classes)]),
                 "checkpoint": which, "reader": reader}
@@ -80,12 +81,22 @@ def _model_source(args: argparse.Namespace) -> dict:
             raise PimmError(f"--weights {given}: {EXPORTED_CONFIG} is unreadable ({exc}); export the run again with "
                             "`pimm export --run-dir RUN NEW_DIR`") from exc
         return {"model": model, "num_classes": num_classes, "weights": given / EXPORTED_WEIGHTS,
-                "step": config.get("step"), "checkpoint": f"export:{config.get('checkpoint')}", "reader": {},
+                "step": config.get("step"), "checkpoint": f"export:{config.get('checkpoint')}",
+                "reader": config.get("preprocessing") or {},
                 "class_names": list(config.get("class_names") or [str(i) for i in range(num_classes)])}
     what = ("does not exist" if not given.exists() else "is a file: a weights file carries no model config"
             if given.is_file() else f"holds neither config.py (a run) nor {EXPORTED_CONFIG} + {EXPORTED_WEIGHTS}")
     raise PimmError(f"--weights {given} {what}; give a run directory (config.py and model/) or a directory "
                     "written by `pimm export --run-dir RUN DIR`")
+
+
+def _reader_options(reader: dict, pilarnet: bool) -> dict:
+    """The dataset options that make new data look as the model's training inputs did: features mode,
+    energy_scale and evaluation transforms always; volume_size when both are PILArNet-M layout (a
+    pimm event file's volume is fixed)."""
+    keys = ("features", "energy_scale", "transforms") + (("volume_size",) if pilarnet else ())
+    same_layout = reader.get("dataset") == "PILArNetDataset"
+    return {k: reader[k] for k in keys if k in reader and (k != "volume_size" or same_layout)}
 
 
 def _data_source(args: argparse.Namespace, reader: dict) -> tuple[dict, dict]:
@@ -101,8 +112,7 @@ def _data_source(args: argparse.Namespace, reader: dict) -> tuple[dict, dict]:
     if is_pilarnet(path):
         split = args.split or DEFAULT_SPLIT
         revision = detect_revision(path, split)
-        features = {k: reader[k] for k in ("energy_scale", "volume_size")
-                    if reader.get("type") == "PILArNetDataset" and k in reader}
+        features = _reader_options(reader, pilarnet=True)
         data = {"type": "PILArNetDataset", "path": str(path), "split": split, "revision": revision, **features}
         info, _, _ = open_pilarnet(path, split, revision, num_classes=UNCHECKED_CLASSES)  # labels unused: unchecked
         identity = {k: info.get(k) for k in ("path", "size_bytes", "num_events", "content_hash", "layout",
@@ -112,8 +122,7 @@ def _data_source(args: argparse.Namespace, reader: dict) -> tuple[dict, dict]:
         raise PimmError(f"--split {args.split} chooses among PILArNet-M shards; {args.data} is one pimm event file: "
                         "leave --split out")
     info = validate_event_file(path, labels=False)
-    features = {"energy_scale": reader["energy_scale"]} if reader.get("type", "LArTPCDataset") == "LArTPCDataset" \
-        and "energy_scale" in reader else {}
+    features = _reader_options(reader, pilarnet=False)
     identity = {k: info.get(k) for k in ("path", "size_bytes", "num_events", "content_hash", "format_version")}
     return {"type": "LArTPCDataset", "path": str(path), **features}, identity
 

@@ -83,6 +83,7 @@ _SPLIT = {  # data.<split>.<key>
                        f"({', '.join(names.TRANSFORMS)})",
                        lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(t, dict) for t in v))),
     "skip_nonfinite": BOOL,  # drop events with a non-finite coordinate, energy or feature (pimm.data)
+    "features": one_of(names.FEATURE_MODES),  # how feat is computed: pimm.data.transforms.feature_columns
     # PILArNetDataset only (pimm.data.pilarnet_file)
     "split": Rule("a split name such as 'train' (shards <path>/*<split>/*.h5)",
                   lambda v: isinstance(v, str) and v.strip() != ""),
@@ -93,9 +94,10 @@ _SPLIT = {  # data.<split>.<key>
     "volume_size": number(0, strict=True),
     "pid_unlabelled_as_none": BOOL,
     "remove_low_energy_scatters": BOOL,
+    "min_points_after_cut": BOOL,
 }
 _PILARNET_ONLY = ("split", "revision", "label", "min_points", "energy_threshold", "volume_size",
-                  "pid_unlabelled_as_none", "remove_low_energy_scatters")
+                  "pid_unlabelled_as_none", "remove_low_energy_scatters", "min_points_after_cut")
 REQUIRED, OPTIONAL = True, False
 
 # (dotted key, required, rule), parents before children. A nested key is looked at only when its

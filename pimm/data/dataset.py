@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from pimm import names
 from pimm.data.event_file import (
     _H5_ERRORS,
     _OPEN_KW,
@@ -29,14 +30,17 @@ from pimm.data.pilarnet_file import (
     DEFAULT_SPLIT,
     IGNORE_LABEL,
     LABEL_NAMES,
+    MIN_POINTS_AFTER_CUT,
     PID_NAMES,
+    PID_UNLABELLED_AS_NONE,
+    VOLUME_SIZE,
     event_arrays,
     kept_points,
     open_pilarnet,
     point_labels,
 )
 from pimm.data.synth import DETECTOR_SIZE
-from pimm.data.transforms import build_transforms, features
+from pimm.data.transforms import DEFAULT_FEATURES, build_transforms, feature_columns
 from pimm.errors import ConfigError, DataError
 from pimm.registry import Registry
 
@@ -54,6 +58,13 @@ def _transforms(transforms: list[dict] | None, augment: bool):
         raise ConfigError("dataset sets both augment=True and transforms: the transforms replace the built-in "
                           "augmentation, so set augment=False (or transforms=None to keep augment)")
     return build_transforms(transforms)
+
+
+def _feature_mode(features: str) -> str:
+    if features not in names.FEATURE_MODES:
+        raise ConfigError(f"dataset features={features!r} is unknown; use one of {', '.join(names.FEATURE_MODES)} "
+                          "(pimm.data.transforms.feature_columns says what each computes)")
+    return features
 
 
 def _check_options(seed: int, max_len: int | None, **positive: float) -> None:
@@ -96,8 +107,10 @@ class LArTPCDataset(Dataset):
         skip_nonfinite: bool = False,
         labels: bool = True,
         transforms: list[dict] | None = None,
+        features: str = DEFAULT_FEATURES,
     ) -> None:
         _check_options(seed, max_len, energy_scale=energy_scale)
+        self.features = _feature_mode(features)
         self.transforms = _transforms(transforms, augment)
         self.labels = bool(labels)
         if skip_nonfinite:
@@ -238,13 +251,14 @@ class LArTPCDataset(Dataset):
         if self.transforms is not None:
             event = self._transformed(epoch, index)
             coord, segment = event["coord"], event["segment"]
-            feat = features(event, float(self.volume_size), self.energy_scale)
+            feat = feature_columns(event, float(self.volume_size), self.energy_scale, self.features)
         else:
             raw = self.read_raw(index)
             coord, energy, segment = raw["coord"], raw["energy"], raw["segment"]
             if self.augment:
                 coord, energy, segment = self._augment(coord, energy, segment, epoch, index)
-            feat = features({"coord": coord, "energy": energy}, self.volume_size, self.energy_scale)
+            feat = feature_columns({"coord": coord, "energy": energy}, self.volume_size, self.energy_scale,
+                                   self.features)
         return {
             "coord": torch.from_numpy(np.ascontiguousarray(coord, dtype=np.float32)),
             "feat": torch.from_numpy(feat),
@@ -268,11 +282,13 @@ class PILArNetDataset(LArTPCDataset):
     `remove_low_energy_scatters` the event's low-energy-scatter cluster (the first, semantic 4),
     as PILArNet-M's published reader does; events with fewer than `min_points` points left (or
     none) are left out, through an index cached beside each shard (built on first use), and with
-    `skip_nonfinite` those with a non-finite coordinate or energy (found by the same index). `volume_size` is
-    the side of the cube the coordinates fill (768 voxels in PILArNet-M). With
-    `pid_unlabelled_as_none`, pid -1 (the low-energy deposits of PILArNet-M v2) becomes class 5
-    "none", as in Pointcept's PILArNet reader. With `labels=False` (prediction) segment is -1
-    everywhere and the labels are not checked. Shards are opened lazily, one handle per shard
+    `skip_nonfinite` those with a non-finite coordinate or energy (found by the same index).
+    `min_points` counts the stored points, as the published readers do; `min_points_after_cut=True`
+    counts the points left after the cut instead. `volume_size` is the side of the cube the
+    coordinates fill (768 voxels in PILArNet-M). pid -1 (the low-energy deposits of PILArNet-M
+    v2/v3) is class 5 "none", as in the published readers; `pid_unlabelled_as_none=False` keeps it
+    -1 (no label, ignored). With `labels=False` (prediction) segment is -1 everywhere and the
+    labels are not checked. Shards are opened lazily, one handle per shard
     and process, never across a fork.
     """
 
@@ -288,20 +304,25 @@ class PILArNetDataset(LArTPCDataset):
         seed: int = 0,
         max_len: int | None = None,
         energy_scale: float = 1.0,
-        volume_size: float = 768.0,
-        pid_unlabelled_as_none: bool = False,
+        volume_size: float = VOLUME_SIZE,
+        pid_unlabelled_as_none: bool = PID_UNLABELLED_AS_NONE,
         remove_low_energy_scatters: bool = False,
         skip_nonfinite: bool = False,
         labels: bool = True,
         transforms: list[dict] | None = None,
+        min_points_after_cut: bool = MIN_POINTS_AFTER_CUT,
+        features: str = DEFAULT_FEATURES,
     ) -> None:
         _check_options(seed, max_len, energy_scale=energy_scale, volume_size=volume_size)
+        self.features = _feature_mode(features)
         self.transforms = _transforms(transforms, augment)
         self.labels = bool(labels)
         self.info, shards, rows = open_pilarnet(path, split, revision, label, min_points, energy_threshold,
                                                 remove_low_energy_scatters=remove_low_energy_scatters,
                                                 skip_nonfinite=bool(skip_nonfinite),
-                                                num_classes=None if labels else UNCHECKED_CLASSES)
+                                                num_classes=None if labels else UNCHECKED_CLASSES,
+                                                min_points_after_cut=min_points_after_cut,
+                                                pid_unlabelled_as_none=pid_unlabelled_as_none)
         _log_dropped(self.info)
         self.cut = (float(energy_threshold), bool(remove_low_energy_scatters))
         self.path = self.info["path"]

@@ -202,9 +202,8 @@ def validate_data(dataset: dict, num_classes: int | None = None, ignore_index: i
     DataError or ConfigError saying what is wrong. Leaves no file open."""
     skip_nonfinite = bool(dataset.get("skip_nonfinite", False))
     if dataset.get("type") == "PILArNetDataset":
-        selection = ("split", "revision", "label", "min_points", "energy_threshold", "remove_low_energy_scatters")
-        if dataset.get("pid_unlabelled_as_none") and dataset.get("label") == "pid":
-            ignore_index = -1  # the reader turns the file's -1 into class "none": nothing is left unlabelled
+        selection = ("split", "revision", "label", "min_points", "energy_threshold", "remove_low_energy_scatters",
+                     "min_points_after_cut", "pid_unlabelled_as_none")
         info, _, _ = open_pilarnet(dataset["path"], num_classes=num_classes, ignore_index=ignore_index,
                                    skip_nonfinite=skip_nonfinite, **{k: dataset[k] for k in selection if k in dataset})
     else:

@@ -4,13 +4,17 @@ Layout, as DeepLearnPhysics/PILArNet-M publishes it: shards `<root>/*<split>/*.h
 one row per event in the variable-length datasets `point` (N*8 values per row: x, y, z, deposited
 energy, then 4 more columns) and `cluster` (K*5 values in revision v1: size, fragment, group,
 interaction, semantic; K*6 in v2/v3: size, cluster_id, group_id, interaction_id, semantic, pid),
-and in v2/v3 `cluster_extra` (not read). Points are stored cluster by cluster, so a point's labels
-are its cluster's, repeated `size` times. Label -1 means "ignore". The first cluster holds the event's
-low-energy scatters (semantic 4).
+and in v2/v3 `cluster_extra` (not read for training: K*5 values in v2, K*6 in v3, which is how
+`detect_revision` tells them apart). Points are stored cluster by cluster, so a point's labels are
+its cluster's, repeated `size` times. Label -1 means "no label"; the first cluster holds the event's
+low-energy scatters (semantic 4, pid -1, which the published v2/v3 readers map to pid class 5
+"none": `pid_unlabelled_as_none`, on by default).
 
 The point cut (`kept_points`) is the published reader's: points with deposited energy at or below
 `energy_threshold` are dropped (0: none), and with `remove_low_energy_scatters` the first cluster
-when it is the low-energy-scatter cluster. `min_points` counts the points that survive the cut.
+when it is the low-energy-scatter cluster. `min_points` counts the stored points, as the published
+readers do (`min_points_after_cut=True`: the points that survive the cut); an event with no point
+left after the cut is always out.
 
 Events with a non-finite x, y, z or energy are found by the same index pass: the launch refuses
 them (naming shard, event and column) unless `skip_nonfinite` leaves them out.
@@ -39,7 +43,9 @@ from pimm.errors import ConfigError, DataError
 
 LAYOUT = "pilarnet"
 POINT_COLUMNS = 8  # x, y, z, energy, time, electrons, dx, and one more
+VOLUME_SIZE = 768.0  # voxels along each side of the cube the coordinates fill
 CLUSTER_COLUMNS = {"v1": 5, "v2": 6, "v3": 6}
+EXTRA_COLUMNS = {"v2": 5, "v3": 6}  # cluster_extra per cluster: v2 mass, momentum, vertex x/y/z; v3 adds is_primary
 REVISIONS = names.PILARNET_REVISIONS  # the keys of CLUSTER_COLUMNS
 SIZE_COLUMN = 0
 LABEL_COLUMNS = {"motif": 4, "pid": 5}  # semantic and pid columns of a cluster row (pid: v2/v3 only)
@@ -48,6 +54,8 @@ PID_NAMES = ("photon", "electron", "muon", "pion", "proton", "none")
 LABEL_NAMES = {"motif": MOTIF_NAMES, "pid": PID_NAMES}
 IGNORE_LABEL = -1
 DEFAULT_SPLIT, DEFAULT_REVISION, DEFAULT_LABEL = "train", "v2", "motif"
+PID_UNLABELLED_AS_NONE = True  # pid -1 -> class 5 "none", as the published v2/v3 readers do
+MIN_POINTS_AFTER_CUT = False  # min_points counts stored points, as the published readers do
 INDEX_SUFFIX = ".pimm-index.npz"  # the cached event index beside each shard
 INDEX_VERSION = 3  # 2: per-cut kept-point counts; no total energy. 3: events with non-finite values
 DATASET_NAMES = ("point", "cluster")  # required; cluster_extra is optional
@@ -81,7 +89,8 @@ def _fail(path: Path, problem: str, todo: str | None = None) -> DataError:
 
 
 def check_options(revision: str, label: str, min_points: int, energy_threshold: float,
-                  remove_low_energy_scatters: bool = False) -> None:
+                  remove_low_energy_scatters: bool = False, min_points_after_cut: bool = MIN_POINTS_AFTER_CUT,
+                  pid_unlabelled_as_none: bool = PID_UNLABELLED_AS_NONE) -> None:
     """ConfigError for a selection option PILArNetDataset cannot use."""
     if revision not in REVISIONS:
         raise ConfigError(f"PILArNetDataset revision={revision!r} is unknown; use one of {', '.join(REVISIONS)}")
@@ -96,9 +105,11 @@ def check_options(revision: str, label: str, min_points: int, energy_threshold: 
     if bad or not math.isfinite(energy_threshold) or energy_threshold < 0:
         raise ConfigError(f"PILArNetDataset energy_threshold must be a finite number >= 0 (MeV; points at or "
                           f"below it are dropped), got {energy_threshold!r}")
-    if not isinstance(remove_low_energy_scatters, (bool, np.bool_)):
-        raise ConfigError(f"PILArNetDataset remove_low_energy_scatters must be true or false, "
-                          f"got {remove_low_energy_scatters!r}")
+    for name, value in (("remove_low_energy_scatters", remove_low_energy_scatters),
+                        ("min_points_after_cut", min_points_after_cut),
+                        ("pid_unlabelled_as_none", pid_unlabelled_as_none)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise ConfigError(f"PILArNetDataset {name} must be true or false, got {value!r}")
 
 
 def find_shards(path: str | Path, split: str = DEFAULT_SPLIT) -> tuple[Path, list[Path]]:
@@ -386,22 +397,28 @@ def open_pilarnet(
     ignore_index: int = IGNORE_LABEL,
     remove_low_energy_scatters: bool = False,
     skip_nonfinite: bool = False,
+    min_points_after_cut: bool = MIN_POINTS_AFTER_CUT,
+    pid_unlabelled_as_none: bool = PID_UNLABELLED_AS_NONE,
 ) -> tuple[dict[str, Any], list[Path], list[np.ndarray]]:
     """Check PILArNet shards and select their events -> (info, shards, rows).
 
-    Events with fewer than `min_points` points left after the point cut (`kept_points`: energy
-    at or below `energy_threshold` MeV, and the low-energy scatters with
-    `remove_low_energy_scatters`) or with none left are out; `rows[i]` holds the selected row
-    numbers of `shards[i]`. Labels of `label` must be in 0..classes-1 (`num_classes`, when given, else the
-    label's own class count) or -1, the format's "no label", which `ignore_index` must then be.
+    Events with fewer than `min_points` stored points (with `min_points_after_cut`: points left after
+    the point cut) or with no point left after the cut (`kept_points`: energy at or below
+    `energy_threshold` MeV, and the low-energy scatters with `remove_low_energy_scatters`) are out;
+    `rows[i]` holds the selected row numbers of `shards[i]`. Labels of `label` must be in
+    0..classes-1 (`num_classes`, when given, else the label's own class count) or -1, the format's
+    "no label", which `ignore_index` must then be (pid -1 with `pid_unlabelled_as_none` is class
+    "none", so it is a class, not a missing label).
     An event with a non-finite coordinate or energy is a DataError, or with `skip_nonfinite` is
     out too (counted in info's nonfinite_dropped).
     `info` is {path, size_bytes, num_events, content_hash, layout, revision, label, split, shards,
     events_in_files, min_points, energy_threshold, remove_low_energy_scatters, skip_nonfinite,
     nonfinite_dropped}; its content_hash covers every shard and the selection (with the dropped
     events, when there are any). Raises ConfigError or DataError."""
-    check_options(revision, label, min_points, energy_threshold, remove_low_energy_scatters)
+    check_options(revision, label, min_points, energy_threshold, remove_low_energy_scatters, min_points_after_cut,
+                  pid_unlabelled_as_none)
     cut = (float(energy_threshold), bool(remove_low_energy_scatters))
+    minus_one_is_none = label == "pid" and bool(pid_unlabelled_as_none)
     root, shards = find_shards(path, split)
     limit = len(LABEL_NAMES[label]) if num_classes is None else int(num_classes)
     label_row = list(LABEL_COLUMNS).index(label)
@@ -410,7 +427,7 @@ def open_pilarnet(
         index = shard_index(shard, revision, cut)
         lo, hi = index["label_min"][label_row], index["label_max"][label_row]
         unlabelled = np.flatnonzero(lo == IGNORE_LABEL)
-        if ignore_index != IGNORE_LABEL and len(unlabelled):
+        if ignore_index != IGNORE_LABEL and len(unlabelled) and not minus_one_is_none:
             raise _fail(shard, f"event {int(unlabelled[0])} has points with {label} label -1 (no label), which "
                         f"task.ignore_index={ignore_index} does not ignore; {len(unlabelled)} event(s) of this file "
                         "have such points", "set task.ignore_index=-1 (the default)")
@@ -434,7 +451,8 @@ def open_pilarnet(
             raise _fail(shard, f"event {int(bad[0])} has a non-finite {column} ({value}); {len(bad)} of "
                         f"{len(index['num_points'])} events of this file have non-finite coordinates or energies",
                         NONFINITE_TODO)
-        keep = (index["num_kept"] >= max(min_points, 1))
+        counted = index["num_kept"] if min_points_after_cut else index["num_points"]
+        keep = (counted >= min_points) & (index["num_kept"] >= 1)
         if len(bad):
             keep[bad] = False
             dropped[name] = bad.tolist()
@@ -447,11 +465,15 @@ def open_pilarnet(
     if num_events == 0:
         cut_text = f" above {energy_threshold} MeV" if energy_threshold > 0 else ""
         cut_text += " outside the low-energy scatters" if remove_low_energy_scatters else ""
-        raise _fail(root, f"no event of {events_in_files} in {len(shards)} shard(s) has >= {max(min_points, 1)} "
-                    f"points{cut_text}", "lower data.<split>.min_points or energy_threshold")
+        wanted = (f">= {max(min_points, 1)} points{cut_text}" if min_points_after_cut or not cut_text else
+                  f">= {min_points} stored points and at least one point{cut_text}")
+        raise _fail(root, f"no event of {events_in_files} in {len(shards)} shard(s) has {wanted}",
+                    "lower data.<split>.min_points or energy_threshold")
     selection = {"layout": LAYOUT, "revision": revision, "shards": identity, "min_points": int(min_points),
                  "energy_threshold": float(energy_threshold), "point_cut": "energy > threshold (index v2)",
                  "remove_low_energy_scatters": bool(remove_low_energy_scatters)}
+    if min_points > 1 and cut != NO_CUT:  # only then does it matter which points min_points counts
+        selection["min_points_counts"] = "points after the cut" if min_points_after_cut else "stored points"
     if dropped:  # only then: the identity of data without such events is unchanged
         selection["nonfinite_dropped"] = dropped
     info = {
@@ -468,6 +490,7 @@ def open_pilarnet(
         "min_points": int(min_points),
         "energy_threshold": float(energy_threshold),
         "remove_low_energy_scatters": bool(remove_low_energy_scatters),
+        "min_points_after_cut": bool(min_points_after_cut),
         "skip_nonfinite": bool(skip_nonfinite),
         "nonfinite_dropped": int(sum(len(r) for r in dropped.values())),
     }
@@ -475,11 +498,19 @@ def open_pilarnet(
 
 
 def detect_revision(path: str | Path, split: str = DEFAULT_SPLIT) -> str:
-    """v2 when the first shard has `cluster_extra` (v1 files have none), else v1."""
+    """The revision of the first shard: v1 without `cluster_extra`; with it, v3 when its rows hold 6
+    values per cluster (mass, momentum, vertex x/y/z, is_primary), else v2 (5 per cluster)."""
     _, shards = find_shards(path, split)
     try:
         with h5py.File(shards[0], **_OPEN_KW) as f:
-            return "v2" if "cluster_extra" in f else "v1"
+            if "cluster_extra" not in f:
+                return "v1"
+            cluster, extra = f["cluster"], f["cluster_extra"]
+            for row in range(min(len(cluster), len(extra), _SCAN_EVENTS)):  # the first event with clusters
+                clusters = cluster[row].size // CLUSTER_COLUMNS["v2"]
+                if clusters:
+                    return "v3" if extra[row].size == clusters * EXTRA_COLUMNS["v3"] else "v2"
+            return "v2"
     except _H5_ERRORS as exc:
         raise _fail(shards[0], f"not a readable HDF5 file: {exc}") from exc
 
@@ -497,7 +528,8 @@ def is_pilarnet(path: str | Path) -> bool:
 
 
 def describe_pilarnet(path: str | Path, split: str = DEFAULT_SPLIT, revision: str | None = None) -> dict[str, Any]:
-    """Summary of PILArNet shards: identity, events, points and point counts per class of each label."""
+    """Summary of PILArNet shards: identity, events, points and point counts of each label value as
+    stored (-1 first, then each class, then values out of range)."""
     revision = revision or detect_revision(path, split)
     info, shards, _ = open_pilarnet(path, split, revision)
     counts = np.zeros((len(LABEL_COLUMNS), len(PID_NAMES) + 2), np.int64)
@@ -509,6 +541,7 @@ def describe_pilarnet(path: str | Path, split: str = DEFAULT_SPLIT, revision: st
     out = {**info, "num_points": num_points}
     for i, (label, classes) in enumerate(LABEL_NAMES.items()):
         if LABEL_COLUMNS[label] < CLUSTER_COLUMNS[revision]:
-            out[f"{label}_counts"] = {"ignore": int(counts[i, 0]),
+            # -1 in the file: no label; for pid the readers' class "none" unless pid_unlabelled_as_none=False
+            out[f"{label}_counts"] = {"-1": int(counts[i, 0]),
                                       **{n: int(c) for n, c in zip(classes, counts[i, 1:])}}
     return out

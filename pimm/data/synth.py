@@ -22,7 +22,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from pimm.data.pilarnet_file import CLUSTER_COLUMNS, POINT_COLUMNS
+from pimm.data.pilarnet_file import CLUSTER_COLUMNS, EXTRA_COLUMNS, POINT_COLUMNS, VOLUME_SIZE
 from pimm.errors import DataError
 
 CLASS_NAMES = ("shower", "track", "michel", "delta", "low_energy")
@@ -30,11 +30,16 @@ SHOWER, TRACK, MICHEL, DELTA, LOW_ENERGY = range(len(CLASS_NAMES))
 PHOTON, ELECTRON, MUON, PION, PROTON = range(5)  # pilarnet_file.PID_NAMES
 NO_PID = -1  # PILArNet-M's particle type of low-energy deposits
 DETECTOR_SIZE = 256.0
+VOXELS = int(VOLUME_SIZE)  # the PILArNet-M layout's voxel cube: 768 per side
+PILARNET_SPREAD = 1.0  # voxels: the Gaussian offsets of a densified event's point copies
+_MAX_COPIES = 32
+_PID_MASS_MEV = (0.0, 0.511, 105.66, 139.57, 938.27)  # photon, electron, muon, pion, proton
 
 FORMAT = "pimm-events"
 FORMAT_VERSION = 1
 GENERATOR = "pimm.data.synth"
 GENERATOR_VERSION = 1
+PILARNET_GENERATOR_VERSION = 2  # 2: integer voxels in a 768 cube, cluster ids -1 for blips, shower fragments
 DATASET_NAMES = ("coord", "energy", "segment", "offsets")
 CHUNK_ROWS = 4096  # measured fastest for random event reads (vs 1k/16k/64k); lzf saved only 3%, so none
 
@@ -160,8 +165,9 @@ def _electron(
 
 def _shower(
     rng: np.random.Generator, origin: np.ndarray, direction: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, bool]:
-    """An electromagnetic cascade as a tree of straight segments: (points, energies, started by a photon).
+) -> tuple[np.ndarray, np.ndarray, bool, np.ndarray]:
+    """An electromagnetic cascade as a tree of straight segments: (points, energies, started by a
+    photon, fragment of each point: 0 the trunk, 1 and 2 the two sub-cascades of its first split).
 
     A photon converts after a gap (an electron starts at once); each segment splits in two
     children with a larger opening angle, less energy and a shorter length until the energy
@@ -173,17 +179,20 @@ def _shower(
     dirs = direction[None]
     lengths = np.array([rng.uniform(15.0, 35.0)])
     energies = np.array([rng.uniform(60.0, 450.0)])  # shower energy, MeV
-    seg_start, seg_dir, seg_len, seg_depth = [], [], [], []
+    branches = np.zeros(1, np.int64)  # 0: the trunk; 1, 2: the first split's two sub-cascades
+    seg_start, seg_dir, seg_len, seg_depth, seg_branch = [], [], [], [], []
     for depth in range(6):
         seg_start.append(starts)
         seg_dir.append(dirs)
         seg_len.append(lengths)
         seg_depth.append(np.full(len(lengths), depth))
+        seg_branch.append(branches)
         split = energies > 18.0  # below ~critical energy a branch just ends
         if depth == 5 or not split.any():
             break
         p_start, p_dir, p_len, p_e = starts[split], dirs[split], lengths[split], energies[split]
         k = len(p_e)
+        branches = np.arange(1, 2 * k + 1) if depth == 0 else np.concatenate([branches[split], branches[split]])
         ends = p_start + p_dir * p_len[:, None]
         frac = rng.beta(2.0, 2.0, size=k)
         energies = np.concatenate([p_e * frac, p_e * (1.0 - frac)]) * 0.85
@@ -198,6 +207,7 @@ def _shower(
     s_dir = np.concatenate(seg_dir)
     s_len = np.concatenate(seg_len)
     s_depth = np.concatenate(seg_depth)
+    s_branch = np.concatenate(seg_branch)
     spacing = 0.6
     counts = np.maximum((s_len / spacing).astype(np.int64), 1)
     seg = np.repeat(np.arange(len(counts)), counts)
@@ -208,7 +218,7 @@ def _shower(
     # the photon-converted trunk carries an e+e- pair: twice the ionisation of one electron
     pairs = np.where((s_depth[seg] == 0) & photon, 2.0, 1.0)
     energy = _MIP_DEDX * spacing * _UNIT_CM * pairs * _landau_factor(rng, len(seg), 0.25)
-    return pts, energy, photon
+    return pts, energy, photon, s_branch[seg]
 
 
 def _blips(rng: np.random.Generator, activity: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -233,10 +243,11 @@ def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
     """Event `index` of the synthetic data set `seed`: coord (N,3) float32, energy (N,) float32,
     segment (N,) uint8, and per point the object it belongs to, instance (N,) int32 (tracks,
     Michels, deltas and showers in drawing order, the low-energy blips last), and that object's
-    particle type, pid (N,) int8 (pilarnet_file.PID_NAMES; -1 for blips, as in PILArNet-M).
+    particle type, pid (N,) int8 (pilarnet_file.PID_NAMES; -1 for blips, as in PILArNet-M), and the
+    fragment of its object, fragment (N,) int8 (a shower's trunk 0 and sub-cascades 1, 2; 0 elsewhere).
     A pure function of (seed, index) (both non-negative integers)."""
     rng = np.random.default_rng([seed, index])
-    parts: list[tuple[np.ndarray, np.ndarray, int, int]] = []  # (points, energies, semantic, pid) per object
+    parts: list[tuple] = []  # (points, energies, semantic, pid[, fragment per point]) per object
 
     vertex = rng.uniform(40.0, DETECTOR_SIZE - 40.0, size=3)  # neutrino-like interaction vertex
     n_tracks = int(rng.integers(1, 4))
@@ -261,18 +272,20 @@ def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
 
     for _ in range(int(rng.choice(3, p=[0.15, 0.45, 0.4]))):
         origin = vertex if rng.random() < 0.5 else rng.uniform(20.0, DETECTOR_SIZE - 20.0, size=3)
-        s_pts, s_e, photon = _shower(rng, origin, _random_dirs(rng, 1)[0])
-        parts.append((s_pts, s_e, SHOWER, PHOTON if photon else ELECTRON))
+        s_pts, s_e, photon, s_fragment = _shower(rng, origin, _random_dirs(rng, 1)[0])
+        parts.append((s_pts, s_e, SHOWER, PHOTON if photon else ELECTRON, s_fragment))
 
     activity = np.concatenate([p for p, *_ in parts])
     b_pts, b_e = _blips(rng, activity)
     parts.append((b_pts, b_e, LOW_ENERGY, NO_PID))
 
     coord = np.concatenate([p for p, *_ in parts]).astype(np.float32)
-    energy = np.concatenate([e for _, e, _, _ in parts]).astype(np.float32)
-    segment = np.concatenate([np.full(len(p), label, dtype=np.uint8) for p, _, label, _ in parts])
+    energy = np.concatenate([part[1] for part in parts]).astype(np.float32)
+    segment = np.concatenate([np.full(len(p), label, dtype=np.uint8) for p, _, label, *_ in parts])
     instance = np.concatenate([np.full(len(p), i, dtype=np.int32) for i, (p, *_) in enumerate(parts)])
-    pid = np.concatenate([np.full(len(p), kind, dtype=np.int8) for p, _, _, kind in parts])
+    pid = np.concatenate([np.full(len(part[0]), part[3], dtype=np.int8) for part in parts])
+    fragment = np.concatenate([np.asarray(part[4] if len(part) > 4 else np.zeros(len(part[0])), np.int8)
+                               for part in parts])
     # test containment after the float32 cast: 255.99999999 would round onto the face
     keep = np.all((coord >= 0.0) & (coord < DETECTOR_SIZE), axis=1)
     # real images come in voxel order, not object by object: do not leak labels through order
@@ -283,6 +296,7 @@ def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
         "segment": segment[keep][order],
         "instance": instance[keep][order],
         "pid": pid[keep][order],
+        "fragment": fragment[keep][order],
     }
 
 
@@ -391,30 +405,86 @@ def write_dataset(path: str | Path, num_events: int, seed: int) -> Path:
 # ----------------------------------------------------------------------------- the PILArNet-M layout
 
 
-def pilarnet_event(seed: int, index: int, revision: str = "v2") -> dict[str, np.ndarray]:
-    """Event `index` of `seed` as PILArNet-M stores it: point (N, 8) float32 (x, y, z, energy, drift
-    time, electrons, dx, 0) and cluster (K, 5|6) int64 rows, one cluster per generated object, points
-    stored cluster by cluster (the blips first, as in PILArNet-M, then the objects in drawing order);
-    also coord, energy, segment (uint8) and pid (int8) in that stored order."""
+def _voxelised(e: dict[str, np.ndarray], seed: int, index: int, points_per_event: int | None) -> dict[str, np.ndarray]:
+    """The generator's event in PILArNet-M's voxel grid: coordinates scaled from DETECTOR_SIZE to the
+    VOXELS cube and floored to integer voxels; with `points_per_event`, each point first replicated
+    m times with Gaussian offsets of PILARNET_SPREAD voxels (m chosen so the event has about that
+    many voxels; each copy keeps its point's energy, so per-voxel energies and cuts behave as in the
+    sparse event). One point per voxel and object fragment: the first one's energy and labels."""
+    coord = e["coord"].astype(np.float64) * (VOXELS / DETECTOR_SIZE)
+    n = len(coord)
+    arrays = {k: e[k] for k in ("energy", "segment", "pid", "instance", "fragment")}
+    if points_per_event is not None and n:
+        rng = np.random.default_rng([seed, index, 768])  # its own stream: the objects stay as drawn
+        noise = rng.normal(scale=PILARNET_SPREAD, size=(_MAX_COPIES * n, 3))
+        copies = max(1, -(-points_per_event // n))
+        for _ in range(3):  # a denser spread merges more copies into one voxel: correct for it
+            dense = np.repeat(coord, copies, axis=0) + noise[: copies * n]
+            keys = _voxel_keys(dense, np.repeat(arrays["instance"], copies), np.repeat(arrays["fragment"], copies))
+            found = len(np.unique(keys))
+            if found >= 0.9 * points_per_event or copies == _MAX_COPIES:
+                break
+            copies = min(_MAX_COPIES, int(np.ceil(copies * points_per_event / max(found, 1))))
+        coord = dense
+        arrays = {k: np.repeat(v, copies) for k, v in arrays.items()}
+    voxel = np.clip(np.floor(coord), 0, VOXELS - 1)
+    _, first = np.unique(_voxel_keys(voxel, arrays["instance"], arrays["fragment"]), return_index=True)
+    first.sort()  # the event's own order
+    return {"coord": voxel[first].astype(np.float32), **{k: v[first] for k, v in arrays.items()}}
+
+
+def _voxel_keys(coord: np.ndarray, instance: np.ndarray, fragment: np.ndarray) -> np.ndarray:
+    """One int64 per (voxel, object, fragment): equal keys are the same voxel of the same fragment."""
+    v = np.clip(np.floor(coord), 0, VOXELS - 1).astype(np.int64)
+    return ((((instance.astype(np.int64) * 4 + fragment) * VOXELS + v[:, 0]) * VOXELS + v[:, 1]) * VOXELS
+            + v[:, 2])
+
+
+def pilarnet_event(seed: int, index: int, revision: str = "v2", points_per_event: int | None = None
+                   ) -> dict[str, np.ndarray]:
+    """Event `index` of `seed` as PILArNet-M stores it: point (N, 8) float32 (integer voxel x, y, z in
+    a VOXELS cube, energy, drift time, electrons, dx, 0) and cluster (K, 5|6) int64 rows, points
+    stored cluster by cluster: the low-energy blips first (cluster and group id -1, as in PILArNet-M),
+    then one cluster per object fragment in drawing order (a shower's trunk and sub-cascades are
+    fragments with their own cluster ids under one group id); v2/v3 also cluster_extra (K, 5|6)
+    float32: mass (MeV, by pid), momentum (a stand-in: the cluster's energy, MeV), the group's first
+    voxel as vertex x, y, z, and in v3 is_primary (1 for tracks and showers). Also coord, energy,
+    segment (uint8) and pid (int8) in stored order. `points_per_event`: about that many points
+    (`_voxelised`); None: one per generated point (~550)."""
     if revision not in CLUSTER_COLUMNS:
         raise DataError(f"revision {revision!r} is unknown; use one of {', '.join(CLUSTER_COLUMNS)}")
-    e = generate_event(seed, index)
-    rank = np.where(e["segment"] == LOW_ENERGY, -1, e["instance"])
+    e = _voxelised(generate_event(seed, index), seed, index, points_per_event)
+    blip = e["segment"] == LOW_ENERGY
+    rank = np.where(blip, -1, e["instance"].astype(np.int64) * 4 + e["fragment"])
     order = np.argsort(rank, kind="stable")
     _, first, sizes = np.unique(rank[order], return_index=True, return_counts=True)
-    coord, energy, segment, pid = (e[k][order] for k in ("coord", "energy", "segment", "pid"))
+    coord, energy, segment, pid, instance = (e[k][order] for k in ("coord", "energy", "segment", "pid", "instance"))
     point = np.zeros((len(coord), POINT_COLUMNS), np.float32)
     point[:, :3], point[:, 3] = coord, energy
     point[:, 4] = coord[:, 0] * 0.5  # drift time, ~0.5 us per voxel
     point[:, 5] = energy / 23.6e-6  # ionisation electrons (W = 23.6 eV in argon)
     point[:, 6] = _UNIT_CM
-    k = np.arange(len(sizes))
-    interaction = np.where(segment[first] == LOW_ENERGY, -1, 0)
+    blip_cluster = segment[first] == LOW_ENERGY
+    cluster_id = np.where(blip_cluster, -1, np.cumsum(~blip_cluster) - 1)
+    # objects numbered 0.. in drawing order (the blips, drawn last, have the highest instance)
+    group_id = np.where(blip_cluster, -1, np.unique(instance[first], return_inverse=True)[1])
+    interaction = np.where(blip_cluster, -1, 0)
     # v1 [size, fragment, group, interaction, semantic]; v2/v3 [size, cluster_id, group_id, interaction_id,
     # semantic, pid]
-    columns = [sizes, k, k, interaction, segment[first]] + ([pid[first]] if CLUSTER_COLUMNS[revision] == 6 else [])
-    return {"point": point, "cluster": np.stack(columns, axis=1).astype(np.int64),
-            "coord": coord, "energy": energy, "segment": segment, "pid": pid}
+    columns = [sizes, cluster_id, group_id, interaction, segment[first]]
+    out = {"coord": coord, "energy": energy, "segment": segment, "pid": pid}
+    if CLUSTER_COLUMNS[revision] == 6:
+        columns.append(pid[first])
+        extra = np.zeros((len(sizes), EXTRA_COLUMNS[revision]), np.float32)
+        extra[:, 0] = np.where(pid[first] >= 0, np.asarray(_PID_MASS_MEV)[np.maximum(pid[first], 0)], 0.0)
+        extra[:, 1] = np.add.reduceat(energy, first) if len(first) else 0.0
+        groups, group_cluster = np.unique(group_id, return_index=True)  # each group's first cluster
+        vertex = coord[first[group_cluster[np.searchsorted(groups, group_id)]]]
+        extra[:, 2:5] = np.where(blip_cluster[:, None], 0.0, vertex)
+        if revision == "v3":
+            extra[:, 5] = np.isin(segment[first], (TRACK, SHOWER)) & ~blip_cluster
+        out["cluster_extra"] = extra
+    return {"point": point, "cluster": np.stack(columns, axis=1).astype(np.int64), **out}
 
 
 def write_pilarnet_file(
@@ -424,7 +494,7 @@ def write_pilarnet_file(
     cluster_dtype: np.dtype | type = np.int64,
     attrs: dict | None = None,
 ) -> Path:
-    """Write events ({"point": (N, 8), "cluster": (K, C)[, "cluster_extra": (K, 5)]}) as one PILArNet-M
+    """Write events ({"point": (N, 8), "cluster": (K, C)[, "cluster_extra": (K, 5|6)]}) as one PILArNet-M
     shard: flat variable-length rows in `point`, `cluster` (and `cluster_extra` when every event has
     one). Written beside `path` and moved into place when complete; returns the path."""
     path = Path(path)
@@ -450,15 +520,19 @@ def write_pilarnet_file(
 
 
 def write_pilarnet(
-    out: str | Path, num_events: int, seed: int, revision: str = "v2", shards: int = 1, split: str = "train"
+    out: str | Path, num_events: int, seed: int, revision: str = "v2", shards: int = 1, split: str = "train",
+    points_per_event: int | None = None,
 ) -> list[Path]:
-    """Generate events 0..num_events-1 of `seed` in the PILArNet-M layout; returns the shard paths.
+    """Generate events 0..num_events-1 of `seed` in the PILArNet-M layout (`pilarnet_event`, about
+    `points_per_event` points each when given); returns the shard paths.
 
     `out` ending in .h5 is one file; otherwise shards go to `<out>/<split>/<split>_NNN.h5`, events
     split evenly between them in order (read back with path=out, split=split)."""
     num_events = _check_int(num_events, "the number of events", 1)
     seed = _check_int(seed, "the seed", 0)
     shards = _check_int(shards, "the number of shards", 1)
+    if points_per_event is not None:
+        points_per_event = _check_int(points_per_event, "--points-per-event", 1)
     out = Path(out)
     if out.suffix == ".h5" and shards > 1:
         raise DataError(f"--out {out} is one file but --shards is {shards}; give a directory for several shards")
@@ -467,18 +541,9 @@ def write_pilarnet(
     paths = [out] if out.suffix == ".h5" else [out / split / f"{split}_{i:03d}.h5" for i in range(shards)]
     written = []
     for shard, indices in zip(paths, np.array_split(np.arange(num_events), shards)):
-        events = []
-        for i in indices:
-            event = pilarnet_event(seed, int(i), revision)
-            if CLUSTER_COLUMNS[revision] == 6:
-                sizes = event["cluster"][:, 0]
-                extra = np.zeros((len(sizes), 5), np.float32)  # pimm does not read cluster_extra
-                extra[:, 0] = np.arange(len(sizes))
-                extra[:, 1] = np.add.reduceat(event["energy"], np.cumsum(sizes) - sizes)  # momentum stand-in: MeV
-                event["cluster_extra"] = extra
-            events.append(event)
-        attrs = {"generator": GENERATOR, "generator_version": GENERATOR_VERSION, "seed": seed, "revision": revision,
-                 "first_event": int(indices[0])}
+        events = [pilarnet_event(seed, int(i), revision, points_per_event) for i in indices]
+        attrs = {"generator": GENERATOR, "generator_version": PILARNET_GENERATOR_VERSION, "seed": seed,
+                 "revision": revision, "first_event": int(indices[0]), "points_per_event": int(points_per_event or 0)}
         written.append(write_pilarnet_file(shard, events, attrs=attrs))
     return written
 

@@ -7,9 +7,9 @@ draws from `np.random.default_rng([seed, epoch, event index, position in the lis
 is transformed identically at any world size, worker count and after a resume.
 
 Coordinates stay in detector units (the models voxelise them); rotations, flips and scaling are
-about the centre of the detector volume. The feature columns (names.FEATURE_COLUMNS) are x, y, z
-scaled to the volume (coord * 2 / volume_size - 1) and log1p(energy / energy_scale) unless
-NormalizeCoord or LogEnergy set them; they compute the columns from the points as they are at
+about the centre of the detector volume. The feature columns (names.FEATURE_COLUMNS) are computed by
+`feature_columns` in the dataset's `features` mode ("pimm" or "published") unless NormalizeCoord
+or LogEnergy set them; they compute the columns from the points as they are at
 their place in the list (the config check refuses a transform after them that would move the
 points or change the energies they used). Points dropped later (GridSample, RandomCrop) drop their
 feature rows too.
@@ -28,6 +28,8 @@ from pimm import names
 from pimm.config.validate import check_transforms
 
 Event = dict[str, np.ndarray]
+DEFAULT_FEATURES = names.FEATURE_MODES[0]  # "pimm"; "published": the published PILArNet-M normalisation
+PUBLISHED_ENERGY_RANGE = (0.01, 20.0)  # MeV: features="published" maps log10 of this range onto [-1, 1]
 _AXIS = {"x": 0, "y": 1, "z": 2}
 
 
@@ -193,16 +195,52 @@ def build_transforms(specs: list[dict] | None, where: str = "dataset") -> Compos
     return Compose([_CLASSES[spec["type"]](**{k: v for k, v in spec.items() if k != "type"}) for spec in specs])
 
 
-def features(event: Event, volume_size: float, energy_scale: float) -> np.ndarray:
-    """(N, 4) float32 feature columns x, y, z, log_energy (names.FEATURE_COLUMNS) of a transformed event."""
+def feature_columns(event: Event, volume_size: float, energy_scale: float, mode: str = DEFAULT_FEATURES) -> np.ndarray:
+    """(N, 4) float32 feature columns x, y, z, log_energy (names.FEATURE_COLUMNS) of a transformed event.
+
+    mode "pimm": x, y, z scaled to the volume (coord * 2 / volume_size - 1, so [-1, 1]) and
+    log1p(energy / energy_scale). mode "published" (the published PILArNet-M readers): x, y, z in the
+    unit ball around the volume centre, (coord - volume_size / 2) / (volume_size * sqrt(3) / 2), and
+    the energy clipped to [0.01, 20] MeV and mapped by log10 onto [-1, 1]
+    (PUBLISHED_ENERGY_RANGE). NormalizeCoord / LogEnergy, when in the transforms, set their columns."""
     coord, energy = event["coord"], event["energy"]
     feat = np.empty((len(coord), len(names.FEATURE_COLUMNS)), dtype=np.float32)
+    published = mode == "published"
     if "feat_coord" in event:
         feat[:, :3] = event["feat_coord"]
+    elif published:
+        half = volume_size / 2.0
+        feat[:, :3] = (coord.astype(np.float64) - half) / (half * np.sqrt(3.0))
     else:
         feat[:, :3] = coord * (2.0 / volume_size) - 1.0  # centred, roughly [-1, 1]
     if "feat_energy" in event:
         feat[:, 3] = event["feat_energy"]
+    elif published:
+        low, high = PUBLISHED_ENERGY_RANGE
+        clipped = np.clip(energy.astype(np.float64), low, high)
+        feat[:, 3] = 2.0 * np.log10(clipped / low) / np.log10(high / low) - 1.0
     else:
         feat[:, 3] = np.log1p(energy / energy_scale)  # compresses the Landau tail
     return feat
+
+
+def preprocessing(data: dict) -> dict[str, Any]:
+    """How a model trained with the config section `data` computes its inputs: the evaluation reader's
+    (data.test, else val, else train) dataset type, features mode, energy_scale and volume_size, and
+    the transforms of data.test or data.val (never train's random augmentation). `pimm export`
+    records it in config.json; `pimm predict` reads new data with it."""
+    from pimm.data.pilarnet_file import VOLUME_SIZE
+    from pimm.data.synth import DETECTOR_SIZE
+
+    readers = [data.get(split) for split in ("test", "val", "train")]
+    reader = next((r for r in readers if isinstance(r, dict)), {})
+    kind = reader.get("type", "LArTPCDataset")
+    evaluation = next((r for r in readers[:2] if isinstance(r, dict)), {})
+    return {
+        "dataset": kind,
+        "features": reader.get("features", DEFAULT_FEATURES),
+        "energy_scale": float(reader.get("energy_scale", 1.0)),
+        "volume_size": float(reader.get("volume_size", VOLUME_SIZE)) if kind == "PILArNetDataset" else DETECTOR_SIZE,
+        "transforms": evaluation.get("transforms"),
+    }
+
