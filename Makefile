@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIMM := $(VENV)/bin/pimm
 DEMO_DATA := data/demo
 
-.PHONY: demo test venv lint bench clean
+.PHONY: demo test venv lint bench clean docs docs-ref
 
 venv: $(VENV)/.installed
 
@@ -28,6 +28,12 @@ test: venv
 
 lint: venv
 	$(VENV)/bin/ruff check pimm tests benchmarks examples
+
+docs: venv
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-ref: venv
+	$(PY) -m pimm.docs_reference
 
 bench: venv
 	$(PY) benchmarks/throughput.py
