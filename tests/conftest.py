@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -76,6 +77,22 @@ def run_pimm(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Com
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def pimm_in_process(args: list, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`pimm ARGS` through pimm.cli.main in this process, in `cwd`, with its exit status and output as
+    run_pimm returns them. For tests of what pimm checks and refuses before any process starts (a
+    refused launch, --dry-run), where a new Python process would add only its start-up time; a test
+    about processes keeps run_pimm."""
+    from pimm.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return subprocess.CompletedProcess(["pimm", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 # -- runs of the tiny config through `pimm launch` (shared by the resume and hardening tests) --
 
 TINY = "tests/tiny_semseg"  # 48 train events / batch 4 = 12 steps per epoch
@@ -126,6 +143,80 @@ def reference(tmp_path_factory, tiny_data):
     res, run_dir = launch(tmp_path_factory.mktemp("ref"), tiny_data, 2, name="ref")
     assert res.returncode == 0, res.stderr
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def tested_run(tmp_path_factory, tiny_data) -> subprocess.CompletedProcess:
+    """A finished 4-step 1-rank run whose config has data.test (the tiny val file, set through a YAML
+    override), so its launch ended with `pimm test` of the best model (RUN/eval/test-best). Shared by
+    tests/test_evaluate.py, tests/test_predict.py and tests/test_robust_cli.py, which read it and write
+    their outputs elsewhere. The result's `run_dir` is the run directory; its stdout, the launch's."""
+    res, run_dir = launch(tmp_path_factory.mktemp("tested"), tiny_data, 1, "max_steps=4",
+                          f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}", name="evalrun")
+    assert res.returncode == 0, res.stderr
+    res.run_dir = run_dir
+    return res
+
+
+# One pair of runs, at 1 and at 2 ranks, of the same initial weights (lr=0: every step sees them) with
+# point transforms on the training set and a CrossEntropy + Lovasz loss: shared by the tests that the
+# 2-rank run takes the same training losses (tests/test_losses.py, tests/test_transforms.py) and the
+# same validation metrics (tests/test_training.py) as the 1-rank run.
+LR0_TRANSFORMS = ("data.train.transforms=[{type: RandomRotate, axis: x}, {type: RandomFlip}, "
+                  "{type: Jitter, sigma: 0.1}, {type: RandomScale, scale: [0.9, 1.1]}, {type: GridSample, "
+                  "grid_size: 2.0}, {type: NormalizeCoord}, {type: LogEnergy}, {type: RandomCrop, max_points: 300}]")
+LR0_OVERRIDES = ("optimizer.lr=0", "max_steps=3", "epochs=1", "batch_size_val=2", "data.train.augment=false",
+                 LR0_TRANSFORMS, "task.loss=[{type: CrossEntropy, weight: 1.0}, {type: Lovasz, weight: 0.5}]")
+
+
+@pytest.fixture(scope="session")
+def lr0_runs(tmp_path_factory, tiny_data) -> dict[int, Path]:
+    """nproc (1, 2) -> run directory of LR0_OVERRIDES."""
+    exp = tmp_path_factory.mktemp("lr0")
+    runs = {}
+    for nproc in (1, 2):
+        res, runs[nproc] = launch(exp, tiny_data, nproc, *LR0_OVERRIDES, name=f"n{nproc}")
+        assert res.returncode == 0, res.stderr[-3000:]
+    return runs
+
+
+@pytest.fixture(scope="session")
+def interrupted(tmp_path_factory, tiny_data) -> Path:
+    """A 1-rank run stopped at step 2 (status 75) with one complete checkpoint. Shared: a test that
+    resumes or damages it works on its own copy (copy_exp)."""
+    res, run_dir = launch(tmp_path_factory.mktemp("interrupted"), tiny_data, 1, "debug.interrupt_at_step=2")
+    assert res.returncode == 75, res.stderr
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def killed_in_checkpoint(tmp_path_factory, tiny_data) -> tuple[Path, list[str]]:
+    """A 1-rank run logging to TensorBoard and W&B (offline; each where installed), killed while it wrote
+    its step-8 checkpoint (checkpoint_every_n_steps=4: steps after 4 were logged, then redone from step 4),
+    then resumed to its end. Returns (run directory, names of the TensorBoard event files the killed
+    attempt left). Shared by the TensorBoard and W&B tests, which read the logs and change nothing."""
+    import importlib.util
+
+    loggers = [f"{name}.enabled=true" for name in ("tensorboard", "wandb") if importlib.util.find_spec(name)]
+    if any(x.startswith("wandb") for x in loggers):
+        loggers.append("wandb.system_metrics=false")
+    exp = tmp_path_factory.mktemp("killed")
+    res, run_dir = launch(exp, tiny_data, 1, *loggers, "checkpoint_every_n_steps=4",
+                          "debug.kill_during_checkpoint_at_step=8")
+    assert res.returncode != 0
+    board = run_dir / "tensorboard"
+    killed_files = sorted(p.name for p in board.iterdir()) if board.is_dir() else []
+    res, run_dir = launch(exp, tiny_data, 1, "checkpoint_every_n_steps=4", resume=True)
+    assert res.returncode == 0, res.stderr
+    return run_dir, killed_files
+
+
+def copy_exp(run_dir: Path, tmp_path: Path) -> Path:
+    """A copy of a shared run's exp root under tmp_path/exp, for one test to resume or damage; the
+    shared run stays as it is. The run is at copy/tests/<run_dir.name>."""
+    exp = tmp_path / "exp"
+    shutil.copytree(run_dir.parents[1], exp)
+    return exp
 
 
 def start_launch(exp, tiny_data, nproc, *overrides, name="run", extra=()) -> subprocess.Popen:

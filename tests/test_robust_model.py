@@ -1,12 +1,13 @@
 """Model options and run names are checked before any process starts: through `pimm launch` (real
-launch and --dry-run) every refusal is one line, exit 2, and nothing is written anywhere."""
+launch and --dry-run) every refusal is one line, exit 2, and nothing is written anywhere. The launches
+run pimm's CLI in the test process (pimm_in_process): what is tested happens before any process starts."""
 
 from __future__ import annotations
 
 import inspect
 
 import pytest
-from conftest import REPO, TINY, run_pimm
+from conftest import REPO, TINY, pimm_in_process
 
 from pimm import names
 from pimm.config.validate import MODEL_OPTIONS, check_config
@@ -37,8 +38,8 @@ def assert_refused(res, message: str) -> None:
 ])
 def test_bad_point_seg_net_options_exit_2_and_write_nothing(tmp_path, tiny_data, override, message, dry_run):
     exp = tmp_path / "exp"
-    res = run_pimm(["launch", "--train.config", TINY, "--paths.exp-root", str(exp),
-                    *(["--dry-run"] if dry_run else []), "--", *data_args(tiny_data), override], cwd=tmp_path)
+    res = pimm_in_process(["launch", "--train.config", TINY, "--paths.exp-root", str(exp),
+                           *(["--dry-run"] if dry_run else []), "--", *data_args(tiny_data), override], cwd=tmp_path)
     assert_refused(res, message)
     assert not exp.exists()
 
@@ -48,8 +49,8 @@ def test_an_unknown_model_option_in_a_config_file_is_named_with_the_closest_one(
     config.write_text((REPO / "configs/tests/tiny_semseg.py").read_text()
                       .replace('_base_ = ["../_base_/', f'_base_ = ["{REPO}/configs/_base_/')
                       .replace("channels=16", "chanels=16"))
-    res = run_pimm(["launch", "--train.config", str(config), "--paths.exp-root", str(tmp_path / "exp"), "--",
-                    *data_args(tiny_data)], cwd=tmp_path)
+    res = pimm_in_process(["launch", "--train.config", str(config), "--paths.exp-root", str(tmp_path / "exp"), "--",
+                           *data_args(tiny_data)], cwd=tmp_path)
     assert_refused(res, "model.chanels is not an option of PointSegNet: did you mean 'model.channels'?")
     assert not (tmp_path / "exp").exists()
 
@@ -86,9 +87,9 @@ def test_datasets_give_the_feature_columns_models_are_checked_against(tiny_data)
 @pytest.mark.parametrize("name", ["../../escape", "/abs/path", ".", "..", "a/b", "", ".hidden", "sp ace", "x" * 201])
 def test_a_run_name_that_is_not_one_safe_folder_name_is_refused(tmp_path, tiny_data, name, dry_run):
     exp = tmp_path / "root" / "exp"
-    res = run_pimm(["launch", "--train.config", TINY, "--paths.exp-root", str(exp), "--run.name", name,
-                    "--run.no-timestamp", *(["--dry-run"] if dry_run else []), "--", *data_args(tiny_data)],
-                   cwd=tmp_path)
+    res = pimm_in_process(["launch", "--train.config", TINY, "--paths.exp-root", str(exp), "--run.name", name,
+                           "--run.no-timestamp", *(["--dry-run"] if dry_run else []), "--", *data_args(tiny_data)],
+                          cwd=tmp_path)
     assert_refused(res, "is not allowed: a run name is one folder name")
     assert not (tmp_path / "root").exists() and not (tmp_path / "escape").exists()
     assert not (tmp_path / "abs").exists()
@@ -101,8 +102,8 @@ def test_a_config_outside_a_folder_named_like_a_path_stays_inside_the_root(tmp_p
     work.mkdir()
     (tmp_path / "cfg.py").write_text((REPO / "configs/tests/tiny_semseg.py").read_text()
                                      .replace('_base_ = ["../_base_/', f'_base_ = ["{REPO}/configs/_base_/'))
-    res = run_pimm(["launch", "--train.config", "../cfg.py", "--paths.exp-root", "exp", "--run.no-timestamp",
-                    "--dry-run", "--", *data_args(tiny_data)], cwd=work)
+    res = pimm_in_process(["launch", "--train.config", "../cfg.py", "--paths.exp-root", "exp", "--run.no-timestamp",
+                           "--dry-run", "--", *data_args(tiny_data)], cwd=work)
     assert res.returncode == 0, res.stderr
     assert "run directory: exp/default/cfg" in res.stdout
 
@@ -117,6 +118,6 @@ def test_an_unknown_key_in_a_config_file_is_refused_with_the_keys_it_likely_mean
     text = (REPO / "configs/tests/tiny_semseg.py").read_text()
     text = text.replace('_base_ = ["../_base_/', f'_base_ = ["{REPO}/configs/_base_/')
     config.write_text(f"{text}\n{line}\n_mine = 1\n")
-    res = run_pimm(["launch", "--train.config", str(config), "--paths.exp-root", str(tmp_path / "exp"), "--dry-run",
-                    "--", *data_args(tiny_data)], cwd=tmp_path)
+    res = pimm_in_process(["launch", "--train.config", str(config), "--paths.exp-root", str(tmp_path / "exp"),
+                           "--dry-run", "--", *data_args(tiny_data)], cwd=tmp_path)
     assert_refused(res, message)

@@ -1,5 +1,6 @@
 """Every config value, data file and weights file is checked by `pimm launch` before a process
-starts: exit status 2, one clear line, no traceback, no run directory."""
+starts: exit status 2, one clear line, no traceback, no run directory. The launches run pimm's CLI in
+the test process (pimm_in_process): what is tested happens before any process starts."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_pimm
+from conftest import REPO, pimm_in_process
 
 from pimm import names
 
@@ -23,7 +24,7 @@ def launch(tmp_path: Path, tiny_data, *overrides: str, dry_run: bool = True, ext
     args = ["launch", "--train.config", str(REPO / "configs" / f"{TINY}.py"), "--paths.exp-root",
             str(tmp_path / "exp"), *(["--dry-run"] if dry_run else []), *extra, "--",
             f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}", *overrides]
-    return run_pimm(args, cwd=cwd)
+    return pimm_in_process(args, cwd=cwd)
 
 
 def assert_refused(res: subprocess.CompletedProcess, tmp_path: Path, *expected: str) -> None:
