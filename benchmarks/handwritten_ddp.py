@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from pimm.cli.paths import config_roots
 from pimm.config import apply_overrides, load_config, parse_overrides, resolve_config_path
 from pimm.data.collate import collate_events
-from pimm.data.dataset import LArTPCDataset
+from pimm.data.dataset import build_dataset
 from pimm.models import build_model
 
 
@@ -60,8 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     workers = int(cfg.get("num_worker", 0)) // world  # and so are its loader workers
 
     train = dict(cfg["data"]["train"])
-    dataset = LArTPCDataset(train["path"], augment=bool(train.get("augment", False)), seed=seed,
-                            max_len=train.get("max_len"))
+    dataset = build_dataset(train, seed=seed)  # the config's reader (pimm file or PILArNet-M), as pimm builds it
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, collate_fn=collate_events,
                         drop_last=True, persistent_workers=workers > 0)

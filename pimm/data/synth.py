@@ -417,7 +417,7 @@ def _voxelised(e: dict[str, np.ndarray], seed: int, index: int, points_per_event
     if points_per_event is not None and n:
         rng = np.random.default_rng([seed, index, 768])  # its own stream: the objects stay as drawn
         noise = rng.normal(scale=PILARNET_SPREAD, size=(_MAX_COPIES * n, 3))
-        copies = max(1, -(-points_per_event // n))
+        copies = min(_MAX_COPIES, max(1, -(-points_per_event // n)))
         for _ in range(3):  # a denser spread merges more copies into one voxel: correct for it
             dense = np.repeat(coord, copies, axis=0) + noise[: copies * n]
             keys = _voxel_keys(dense, np.repeat(arrays["instance"], copies), np.repeat(arrays["fragment"], copies))
