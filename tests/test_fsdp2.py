@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import REPO, TINY, attempts, launch, losses, run_pimm, steps, weights
+from conftest import TINY, attempts, launch, losses, pimm_in_process, steps, weights
 
 FSDP2 = "parallel.strategy=fsdp2"
 # FSDP2 reduce-scatters gradients where DDP all-reduces them, and divides by the world size at a
@@ -98,9 +98,9 @@ def test_an_fsdp2_checkpoint_resumes_at_three_ranks_and_under_ddp(tmp_path, tiny
 ])
 def test_strategy_errors_stop_before_any_process(tmp_path, tiny_data, override, expected):
     extra = [FSDP2] if "wrap_classes" in override else []
-    res = run_pimm(["launch", "--train.config", TINY, "--resources.nproc-per-node", "2", "--paths.exp-root",
-                    str(tmp_path), "--", f"data.train.path={tiny_data['train']}",
-                    f"data.val.path={tiny_data['val']}", *extra, override], cwd=REPO)
+    res = pimm_in_process(["launch", "--train.config", TINY, "--resources.nproc-per-node", "2", "--paths.exp-root",
+                           str(tmp_path), "--", f"data.train.path={tiny_data['train']}",
+                           f"data.val.path={tiny_data['val']}", *extra, override])
     assert res.returncode == 2, res.stderr
     assert expected in res.stderr and "Traceback" not in res.stderr
     assert not any(tmp_path.iterdir())

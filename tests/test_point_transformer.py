@@ -19,6 +19,7 @@ from conftest import (
     kill_run,
     losses,
     metrics_lines,
+    pimm_in_process,
     processes_of,
     run_pimm,
     signal_all,
@@ -304,11 +305,11 @@ def test_sigusr1_to_every_process_with_loader_workers_then_resume_is_bit_exact(t
     ("model.grid_size=0", "model.grid_size=0 is not allowed: model.grid_size must be a finite number > 0"),
 ])
 def test_bad_model_options_exit_2_before_any_process(tmp_path, tiny_data, override, message):
-    res = run_pimm(["launch", "--train.config", TINY_PTV3, "--paths.exp-root", str(tmp_path), "--dry-run", "--",
-                    f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}",
-                    "model.enc_depths=[1,1,1]", "model.enc_channels=[16,32,64]", "model.enc_num_head=[2,4,4]",
-                    "model.enc_patch_size=[16,16,16]", "model.dec_depths=[1,1]", "model.dec_channels=[16,32]",
-                    "model.dec_num_head=[2,4]", "model.dec_patch_size=[16,16]", override], REPO)
+    res = pimm_in_process(["launch", "--train.config", TINY_PTV3, "--paths.exp-root", str(tmp_path), "--dry-run", "--",
+                           f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}",
+                           "model.enc_depths=[1,1,1]", "model.enc_channels=[16,32,64]", "model.enc_num_head=[2,4,4]",
+                           "model.enc_patch_size=[16,16,16]", "model.dec_depths=[1,1]", "model.dec_channels=[16,32]",
+                           "model.dec_num_head=[2,4]", "model.dec_patch_size=[16,16]", override])
     assert res.returncode == 2, res.stderr
     assert message in res.stderr and "Traceback" not in res.stderr
     assert not any(tmp_path.iterdir())

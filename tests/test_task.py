@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, TINY, launch, run_pimm
+from conftest import TINY, launch, pimm_in_process
 
 from pimm.data.synth import write_pilarnet
 from pimm.tasks import SemanticSegmentation, TaskOutput, build_task, event_mean_loss
@@ -73,8 +73,8 @@ def test_meter_counts_only_labelled_points() -> None:
     ("task.type=Detection", "task.type='Detection' is not allowed"),
 ])
 def test_bad_task_options_exit_2_before_any_process(tmp_path: Path, tiny_data, override: str, message: str) -> None:
-    res = run_pimm(["launch", "--train.config", TINY, "--paths.exp-root", str(tmp_path), "--dry-run", "--",
-                    f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}", override], REPO)
+    res = pimm_in_process(["launch", "--train.config", TINY, "--paths.exp-root", str(tmp_path), "--dry-run", "--",
+                           f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}", override])
     assert res.returncode == 2, res.stderr
     assert message in res.stderr and "Traceback" not in res.stderr
     assert not any(tmp_path.iterdir())
@@ -86,11 +86,11 @@ def test_pilarnet_unlabelled_points_need_ignore_index_minus_1(tmp_path: Path) ->
             for s in ("train", "val")]
     args = ["launch", "--train.config", TINY, "--paths.exp-root", str(tmp_path / "exp"), "--dry-run", "--",
             *data, "data.num_classes=6", "model.num_classes=6", "data.names=None"]
-    assert run_pimm([*args, "batch_size=2"], REPO).returncode == 0
+    assert pimm_in_process([*args, "batch_size=2"]).returncode == 0
     # by default pid -1 is class "none", not unlabelled: any ignore_index outside the classes will do
     as_none = [arg.replace(", pid_unlabelled_as_none: false", "") for arg in args]
-    assert run_pimm([*as_none, "batch_size=2", "task.ignore_index=-100"], REPO).returncode == 0
-    res = run_pimm([*args, "batch_size=2", "task.ignore_index=-100"], REPO)
+    assert pimm_in_process([*as_none, "batch_size=2", "task.ignore_index=-100"]).returncode == 0
+    res = pimm_in_process([*args, "batch_size=2", "task.ignore_index=-100"])
     assert res.returncode == 2
     assert "pid label -1 (no label), which task.ignore_index=-100 does not ignore" in res.stderr
     assert "set task.ignore_index=-1" in res.stderr
