@@ -54,7 +54,9 @@ debug = dict(  # fault injection, used by the tests
     desync_rank_params=None,  # True: perturb rank 1's parameters after the strategy wrap (replicas differ)
 )
 
-# checkpoints: model/last/{weights.pth, trainer.dcp/, .complete}, older ones as model/step_<N>/
+# checkpoints: model/last/{weights.pth, trainer.dcp/, .complete}, older ones as model/step_<8-digit step>/
+# (e.g. model/step_00000450/)
+
 checkpoint_every_n_steps = None  # also at the end of every epoch and on SIGTERM/SIGUSR1
 checkpoint_async = True  # training blocks only for the in-memory copy
 checkpoint_keep_last = 2  # complete checkpoints kept (the older ones are resume fallbacks)

@@ -12,6 +12,6 @@ optimizer = dict(type="AdamW", lr=1e-4, weight_decay=0.01)
 parallel = dict(strategy="ddp", wrap_classes=["Block"], reshard_after_forward=True, mixed_precision=False)
 
 data = dict(
-    train=dict(type="LArTPCDataset", path="data/demo/train.h5", augment=True, skip_nonfinite=False),
-    val=dict(type="LArTPCDataset", path="data/demo/val.h5", skip_nonfinite=False),
+    train=dict(type="LArTPCDataset", path="data/demo/train.h5", augment=True, skip_nonfinite=False, transforms=None),
+    val=dict(type="LArTPCDataset", path="data/demo/val.h5", skip_nonfinite=False, transforms=None),
 )

@@ -117,9 +117,9 @@ def prepare(args: argparse.Namespace, scheduled: bool = False):
             )
         run_dir = run_directory(args.exp_root, config_name, args.run_name, args.timestamp,
                                 job_tag=step.tag if step else None)
-    if cfg.get("validate_only") and not args.weight:
+    if cfg.get("validate_only") and not (args.weight or (cfg.get("pretrained") or {}).get("path")):
         raise LaunchError("validate_only=true evaluates given weights and trains nothing: pass --train.weight PATH "
-                          "(weights.pth, model_best.pth or a checkpoint directory)")
+                          "or set pretrained.path (weights.pth, model_best.pth, a checkpoint or export directory)")
     rdzv_id = None
     if scheduled:
         args.rdzv_endpoint, rdzv_id = "<first node of the job>:<port from the job id>", "$SLURM_JOB_ID"

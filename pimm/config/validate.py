@@ -58,7 +58,8 @@ def one_of(choices: tuple[str, ...], notes: dict[str, str] | None = None) -> Rul
 
 
 def component(kind: str, choices: tuple[str, ...]) -> Rule:
-    return Rule(f"dict(type=..., ...) for a {kind} ({', '.join(choices)})", lambda v: isinstance(v, dict))
+    article = "an" if kind[0] in "aeiou" else "a"
+    return Rule(f"dict(type=..., ...) for {article} {kind} ({', '.join(choices)})", lambda v: isinstance(v, dict))
 
 
 ANY = Rule("set", lambda v: True)

@@ -209,9 +209,10 @@ class Trainer:
         self.provenance.start(**self._provenance_facts())
         exit_code = EXIT_FAILED  # the attempt's, for the metric sinks (W&B records it)
         try:
-            if self.validate_only and not weight:
+            if self.validate_only and not (weight or (self.cfg.get("pretrained") or {}).get("path")):
                 raise ConfigError("validate_only=true evaluates given weights and trains nothing: pass "
-                                  "--train.weight PATH (weights.pth, model_best.pth or a checkpoint directory)")
+                                  "--train.weight PATH or set pretrained.path (weights.pth, model_best.pth, a "
+                                  "checkpoint or export directory)")
             resumed_from, cursor = self._start(resume, weight)
             self.provenance.update(**self._start_facts(resumed_from, cursor))
             if self._desync_params:
