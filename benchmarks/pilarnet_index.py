@@ -1,7 +1,7 @@
 """How long the PILArNet-M event index costs: the first build, one more point cut, a start that
 reads the cache, and random event reads, on a generated shard (page cache warm).
 
-    .venv/bin/python benchmarks/pilarnet_index.py [--events 3000] [--threshold 0.13]
+    .venv/bin/python benchmarks/pilarnet_index.py [--events 3000] [--threshold 0.13] [--points-per-event 4000]
 
 Prints seconds and events/s of each, and the cached start as a fraction of the build."""
 
@@ -30,9 +30,11 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=3000)
     parser.add_argument("--threshold", type=float, default=0.13, help="energy_threshold of the second cut (MeV)")
     parser.add_argument("--reads", type=int, default=2000, help="random __getitem__ calls")
+    parser.add_argument("--points-per-event", type=int, default=None,
+                        help="about this many points per generated event (PILArNet-M: ~4,000; default: ~600)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        (shard,) = write_pilarnet(Path(tmp) / "bench.h5", args.events, seed=1)
+        (shard,) = write_pilarnet(Path(tmp) / "bench.h5", args.events, seed=1, points_per_event=args.points_per_event)
         size_mb = shard.stat().st_size / 1e6
         build, ds = _timed(lambda: PILArNetDataset(shard))
         cut, _ = _timed(lambda: PILArNetDataset(shard, energy_threshold=args.threshold, min_points=1))
