@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, TINY, launch, losses, run_pimm
+from conftest import LR0_OVERRIDES, TINY, losses, pimm_in_process
 
 from pimm import names
 from pimm.config.validate import LOSS_OPTIONS
@@ -134,15 +134,11 @@ def test_loss_names_and_options_match_the_registry() -> None:
     assert set(LOSSES.names()) == set(names.LOSSES) == set(LOSS_OPTIONS)
 
 
-def test_lovasz_and_cross_entropy_take_the_same_losses_at_1_and_2_ranks(tmp_path: Path, tiny_data) -> None:
-    """lr=0: every step sees the initial weights, so the step losses must agree to rounding."""
-    common = ("max_steps=3", "epochs=1", "optimizer.lr=0",
-              "task.loss=[{type: CrossEntropy, weight: 1.0}, {type: Lovasz, weight: 0.5}]")
-    runs = {}
-    for nproc in (1, 2):
-        res, run_dir = launch(tmp_path, tiny_data, nproc, *common, name=f"n{nproc}")
-        assert res.returncode == 0, res.stderr[-3000:]
-        runs[nproc] = losses(run_dir)
+def test_lovasz_and_cross_entropy_take_the_same_losses_at_1_and_2_ranks(lr0_runs) -> None:
+    """lr=0: every step sees the initial weights, so the step losses must agree to rounding. (conftest's
+    shared pair of runs with task.loss = CrossEntropy + 0.5 Lovasz, which also has point transforms on.)"""
+    assert "{type: Lovasz, weight: 0.5}" in " ".join(LR0_OVERRIDES)
+    runs = {nproc: losses(run_dir) for nproc, run_dir in lr0_runs.items()}
     assert list(runs[1]) == [1, 2, 3]
     for step, a in runs[1].items():
         assert runs[2][step] == pytest.approx(a, rel=1e-6), step
@@ -158,8 +154,8 @@ def test_lovasz_and_cross_entropy_take_the_same_losses_at_1_and_2_ranks(tmp_path
     ("task.loss=[]", "task.loss=[] is not allowed: give a non-empty list"),
 ])
 def test_bad_loss_configs_exit_2_before_any_process(tmp_path: Path, tiny_data, override: str, message: str) -> None:
-    res = run_pimm(["launch", "--train.config", TINY, "--paths.exp-root", str(tmp_path), "--dry-run", "--",
-                    f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}", override], REPO)
+    res = pimm_in_process(["launch", "--train.config", TINY, "--paths.exp-root", str(tmp_path), "--dry-run", "--",
+                           f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}", override])
     assert res.returncode == 2, res.stderr
     assert message in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -2,14 +2,14 @@
 
 import numpy as np
 import pytest
-from conftest import REPO, TINY, launch, losses, run_pimm
+from conftest import LR0_OVERRIDES, LR0_TRANSFORMS, REPO, TINY, losses, pimm_in_process
 
 from pimm import names
 from pimm.config import apply_overrides, load_config, parse_overrides
 from pimm.config.validate import TRANSFORM_ARGUMENTS, check_transforms
 from pimm.data.dataset import LArTPCDataset, PILArNetDataset, build_dataset
 from pimm.data.synth import write_pilarnet
-from pimm.data.transforms import build_transforms, features
+from pimm.data.transforms import build_transforms, feature_columns
 from pimm.errors import ConfigError
 
 VOLUME = 100.0
@@ -77,7 +77,7 @@ def test_crop_keeps_max_points_nearest_a_point_and_features_follow_the_kept_poin
               ev)
     assert len(out["coord"]) == len(out["feat_coord"]) == 50
     assert np.array_equal(out["coord"], ev["coord"][out["point_index"]])
-    feat = features(out, VOLUME, 1.0)
+    feat = feature_columns(out, VOLUME, 1.0)
     assert feat.shape == (50, len(names.FEATURE_COLUMNS))
     np.testing.assert_allclose(feat[:, 3], np.log1p(out["energy"] / 2.0), rtol=1e-6)
     full = run([dict(type="NormalizeCoord")], ev)["feat_coord"]
@@ -145,32 +145,27 @@ def test_launch_refuses_bad_transforms_before_any_process_starts(tmp_path, tiny_
     for args in (["--train.config", str(config), "--"],
                  ["--train.config", TINY, "--", "data.train.augment=false",
                   "data.train.transforms=[{type: GridSample, grid_size: -1}]"]):
-        res = run_pimm(["launch", *args[:2], "--dry-run", "--paths.exp-root", str(tmp_path / "exp"), *args[2:],
-                        f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}"], cwd=REPO)
+        res = pimm_in_process(["launch", *args[:2], "--dry-run", "--paths.exp-root", str(tmp_path / "exp"), *args[2:],
+                               f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}"])
         assert res.returncode == 2, res.stdout + res.stderr
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
         assert "Jitter" in lines[0] or "grid_size" in lines[0], lines[0]
-    res = run_pimm(["launch", "--train.config", TINY, "--dry-run", "--paths.exp-root", str(tmp_path / "exp"), "--",
-                    "data.train.transforms=[{type: RandomFlip}]"], cwd=REPO)
+    res = pimm_in_process(["launch", "--train.config", TINY, "--dry-run", "--paths.exp-root", str(tmp_path / "exp"),
+                           "--", "data.train.transforms=[{type: RandomFlip}]"])
     assert res.returncode == 2 and "set data.train.augment=False" in res.stderr, res.stderr
 
 
-def test_one_and_two_ranks_train_on_the_same_transformed_events(tmp_path, tiny_data):
-    transforms = ("data.train.transforms=[{type: RandomRotate, axis: x}, {type: RandomFlip}, "
-                  "{type: Jitter, sigma: 0.1}, {type: RandomScale, scale: [0.9, 1.1]}, {type: GridSample, "
-                  "grid_size: 2.0}, {type: NormalizeCoord}, {type: LogEnergy}, {type: RandomCrop, max_points: 300}]")
-    common = ("data.train.augment=false", transforms, "max_steps=3", "data.val=None", "optimizer.lr=0.0")
-    res1, run1 = launch(tmp_path, tiny_data, 1, *common, name="one")
-    res2, run2 = launch(tmp_path, tiny_data, 2, *common, name="two")
-    assert res1.returncode == 0, res1.stderr
-    assert res2.returncode == 0, res2.stderr
-    l1, l2 = losses(run1), losses(run2)
+def test_one_and_two_ranks_train_on_the_same_transformed_events(lr0_runs, tiny_data):
+    """conftest's shared pair of lr=0 runs at 1 and 2 ranks, with every transform on the training set
+    (and a CrossEntropy + Lovasz loss, which tests/test_losses.py checks on the same runs)."""
+    assert LR0_TRANSFORMS in LR0_OVERRIDES and "data.train.augment=false" in LR0_OVERRIDES
+    l1, l2 = losses(lr0_runs[1]), losses(lr0_runs[2])
     assert len(l1) == len(l2) == 3
     for step in l1:
         assert abs(l1[step] - l2[step]) <= 1e-5 * abs(l1[step]), (step, l1[step], l2[step])
     # the override reaches the training set: at most 300 points an event, as RandomCrop says
     cfg = apply_overrides(load_config(REPO / "configs" / f"{TINY}.py"), parse_overrides(
-        [f"data.train.path={tiny_data['train']}", *common]))
+        [f"data.train.path={tiny_data['train']}", *LR0_OVERRIDES]))
     train = build_dataset(cfg["data"]["train"], seed=cfg["seed"])
     assert len(train.read_raw(0)["coord"]) > 300 >= len(train[(0, 0)]["coord"])
