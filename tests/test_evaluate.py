@@ -8,32 +8,39 @@ import math
 
 import pytest
 import torch
-from conftest import REPO, launch, run_pimm
+from conftest import REPO, launch, pimm_in_process, run_pimm
 
 from pimm.engine.metrics import metrics_from_confusion
 
-TRAINING_OUTPUT: dict = {}
 
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_data):
-    """A 4-step 1-rank run whose config has data.test (the tiny val file, set through a YAML override)."""
-    res, run_dir = launch(tmp_path_factory.mktemp("eval"), tiny_data, 1, "max_steps=4",
-                          f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}", name="evalrun")
-    assert res.returncode == 0, res.stderr
-    TRAINING_OUTPUT[run_dir] = res.stdout
-    return run_dir
+@pytest.fixture
+def trained(tested_run):
+    """conftest's shared 4-step 1-rank run whose config has data.test (the tiny val file)."""
+    return tested_run.run_dir
 
 
 def pimm_test(run_dir, *args, overrides=()):
     return run_pimm(["test", "--run-dir", str(run_dir), *args, *(["--", *overrides] if overrides else [])], cwd=REPO)
 
 
-def test_same_confusion_at_1_and_2_ranks_ddp_and_fsdp2(trained, tmp_path):
+@pytest.fixture(scope="module")
+def evaluations(tested_run, tmp_path_factory):
+    """`pimm test` of the shared run at 1 rank, at 2 ranks under DDP (saving predictions and scores too),
+    and at 2 ranks under FSDP2: name -> (result, --out folder)."""
+    root = tmp_path_factory.mktemp("evaluations")
+    done = {}
+    for name, nproc, args, overrides in (("one", 1, (), ()), ("ddp", 2, ("--save-predictions", "--save-scores"), ()),
+                                         ("fsdp2", 2, (), ("parallel.strategy=fsdp2",))):
+        out = root / name
+        done[name] = pimm_test(tested_run.run_dir, "--resources.nproc-per-node", str(nproc), "--out", str(out), *args,
+                               overrides=overrides), out
+    return done
+
+
+def test_same_confusion_at_1_and_2_ranks_ddp_and_fsdp2(evaluations):
     results = {}
-    for name, nproc, overrides in (("one", 1, ()), ("ddp", 2, ()), ("fsdp2", 2, ("parallel.strategy=fsdp2",))):
-        out = tmp_path / name
-        res = pimm_test(trained, "--resources.nproc-per-node", str(nproc), "--out", str(out), overrides=overrides)
+    for name, nproc in (("one", 1), ("ddp", 2), ("fsdp2", 2)):
+        res, out = evaluations[name]
         assert res.returncode == 0, res.stderr
         assert "mIoU" in res.stdout and str(out) in res.stdout
         results[name] = json.loads((out / "test_metrics.json").read_text())
@@ -67,12 +74,10 @@ def test_metrics_by_hand():
     assert m["confusion"] == confusion.tolist()
 
 
-def test_save_predictions_match_the_metrics(trained, tmp_path):
+def test_save_predictions_match_the_metrics(evaluations):
     from pimm.data.predictions import metrics_from_predictions, open_predictions
 
-    out = tmp_path / "pred"
-    res = pimm_test(trained, "--resources.nproc-per-node", "2", "--out", str(out), "--save-predictions",
-                    "--save-scores")
+    res, out = evaluations["ddp"]  # 2 ranks, --save-predictions --save-scores
     assert res.returncode == 0, res.stderr
     metrics = json.loads((out / "test_metrics.json").read_text())
     with open_predictions(out / "predictions.h5") as preds:
@@ -93,7 +98,7 @@ def test_bad_input_exits_2_with_one_line(trained, tmp_path, case):
         "finished_out": (["--out", str(finished)], ()),
         "scores_alone": (["--save-scores"], ()),
     }[case]
-    res = pimm_test(trained, *args, overrides=overrides)
+    res = pimm_in_process(["test", "--run-dir", str(trained), *args, *(["--", *overrides] if overrides else [])])
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pimm: error:"), res.stderr
@@ -101,10 +106,10 @@ def test_bad_input_exits_2_with_one_line(trained, tmp_path, case):
             "finished_out": "--out", "scores_alone": "--save-predictions"}[case] in lines[0]
 
 
-def test_a_finished_run_with_a_test_set_ends_with_its_test(trained, tmp_path, tiny_data):
+def test_a_finished_run_with_a_test_set_ends_with_its_test(tested_run, trained, tmp_path, tiny_data):
     """test_after_training (the default): the launch that finished training ran `pimm test` of the
     best model into RUN/eval/test-best; with test_after_training=false it does not."""
-    assert "pimm test: mIoU" in TRAINING_OUTPUT[trained]
+    assert "pimm test: mIoU" in tested_run.stdout
     metrics = json.loads((trained / "eval" / "test-best" / "test_metrics.json").read_text())
     assert metrics["events"] == 12 and metrics["checkpoint"] == "best"
     res, run_dir = launch(tmp_path, tiny_data, 1, "max_steps=1", "test_after_training=false",

@@ -9,17 +9,16 @@ import shutil
 import h5py
 import numpy as np
 import pytest
-from conftest import REPO, launch, run_pimm
+from conftest import REPO, run_pimm
 
 from pimm.cli import main
 from pimm.data.predictions import open_predictions
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_data):
-    res, run_dir = launch(tmp_path_factory.mktemp("predict"), tiny_data, 1, "max_steps=2", name="predictrun")
-    assert res.returncode == 0, res.stderr
-    return run_dir
+@pytest.fixture
+def trained(tested_run):
+    """conftest's shared finished 1-rank run (4 steps; its config also has a data.test)."""
+    return tested_run.run_dir
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, TINY, attempts, launch, run_pimm
+from conftest import REPO, TINY, attempts, pimm_in_process, run_pimm
 
 
 def test_slurm_tests_skip_without_a_cluster_and_fail_where_one_is_required(tmp_path):
@@ -30,7 +30,7 @@ def test_slurm_tests_skip_without_a_cluster_and_fail_where_one_is_required(tmp_p
 
 def test_unknown_override_key_names_the_closest_keys(tiny_data):
     def refusal(*overrides: str) -> str:
-        res = run_pimm(["launch", "--dry-run", "--train.config", TINY, "--", *overrides], cwd=REPO)
+        res = pimm_in_process(["launch", "--dry-run", "--train.config", TINY, "--", *overrides])
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
         return res.stderr.strip()
 
@@ -42,7 +42,7 @@ def test_unknown_override_key_names_the_closest_keys(tiny_data):
 
 
 def test_a_folder_given_as_config_lists_the_configs_in_it():
-    res = run_pimm(["launch", "--dry-run", "--train.config", "configs/tests"], cwd=REPO)
+    res = pimm_in_process(["launch", "--dry-run", "--train.config", "configs/tests"])
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "'configs/tests' is a directory, not a config file" in res.stderr
     assert "tests/tiny_semseg" in res.stderr and "--train.config tests/tiny_ptv3" in res.stderr
@@ -55,18 +55,17 @@ def _snapshot(run_dir: Path) -> dict[str, tuple]:
             for p in sorted(run_dir.rglob("*"))}
 
 
-def test_resuming_a_completed_run_changes_nothing(tmp_path, tiny_data):
-    res, run_dir = launch(tmp_path / "exp", tiny_data, 1, "max_steps=2", name="done")
-    assert res.returncode == 0, res.stderr
+def test_resuming_a_completed_run_changes_nothing(tmp_path, tiny_data, tested_run):
+    run_dir = tested_run.run_dir  # conftest's shared finished run: 4 steps of max_steps=4
     before = _snapshot(run_dir)
     finished = attempts(run_dir)[-1]["end_time"]
 
     again = run_pimm(["launch", "--train.resume", str(run_dir)], cwd=REPO)
     assert again.returncode == 0, again.stderr
-    assert f"{run_dir} already completed (step 2 of 2, finished {finished}); nothing to resume" in again.stdout
+    assert f"{run_dir} already completed (step 4 of 4, finished {finished}); nothing to resume" in again.stdout
     assert f"pimm launch --train.config {TINY} --train.weight {run_dir}/model/last -- " in again.stdout
     assert f"data.train.path={tiny_data['train']}" in again.stdout  # the run's own overrides, to paste
-    assert "max_steps=2" not in again.stdout and f"--train.resume {run_dir} -- max_steps=<N>" in again.stdout
+    assert "max_steps=4" not in again.stdout and f"--train.resume {run_dir} -- max_steps=<N>" in again.stdout
     assert _snapshot(run_dir) == before
 
     # pimm submit queues nothing (and needs no sbatch to say so)
@@ -75,15 +74,15 @@ def test_resuming_a_completed_run_changes_nothing(tmp_path, tiny_data):
                                 str(run_dir)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
                                check=False)
     assert submitted.returncode == 0, submitted.stderr
-    assert "already completed (step 2 of 2" in submitted.stdout and "pimm submit --site local-slurm" in submitted.stdout
+    assert "already completed (step 4 of 4" in submitted.stdout and "pimm submit --site local-slurm" in submitted.stdout
     # a job of a Slurm chain that starts after the run completed ends at once (status 3: the job ends with 0)
     job = subprocess.run([sys.executable, "-m", "pimm.launch.slurm_job", "begin", "--run-dir", str(run_dir),
                           "--submission", "later"], cwd=REPO, env={**env, "SLURM_JOB_ID": "7"},
                          capture_output=True, text=True, timeout=120, check=False)
-    assert job.returncode == 3 and "has finished (step 2); nothing to do" in job.stdout, job.stdout + job.stderr
+    assert job.returncode == 3 and "has finished (step 4); nothing to do" in job.stdout, job.stdout + job.stderr
     assert _snapshot(run_dir) == before
 
     # more steps than it trained: there is something to resume
-    more = run_pimm(["launch", "--train.resume", str(run_dir), "--dry-run", "--", "max_steps=3"], cwd=REPO)
+    more = run_pimm(["launch", "--train.resume", str(run_dir), "--dry-run", "--", "max_steps=5"], cwd=REPO)
     assert more.returncode == 0 and "already completed" not in more.stdout, more.stdout + more.stderr
-    assert "config changes: max_steps: 2 -> 3" in more.stdout
+    assert "config changes: max_steps: 4 -> 5" in more.stdout
