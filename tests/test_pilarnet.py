@@ -447,7 +447,7 @@ def test_synth_and_describe_both_layouts(tmp_path: Path) -> None:
 def _pilarnet_run(tmp_path: Path, path: Path, *extra: str):
     def data(split: str) -> str:
         return (f"{{type: PILArNetDataset, path: {path}, split: {split}, revision: v2, label: motif, "
-                "volume_size: 256.0, min_points: 20}")
+                "min_points: 20}")
 
     return run_pimm(["launch", "--train.config", "tests/tiny_semseg", "--resources.nproc-per-node", "1",
                      "--run.name", "pilarnet", "--run.no-timestamp", "--paths.exp-root", str(tmp_path / "exp"),
@@ -482,7 +482,7 @@ def test_two_ranks_with_loader_workers_then_resume_on_one_rank(tmp_path: Path) -
     write_pilarnet(root, 6, seed=32, split="val", revision="v1")
 
     def run(name: str, nproc: int, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
-        spec = (f"{{type: PILArNetDataset, path: {root}, revision: v1, volume_size: 256.0, min_points: 300, "
+        spec = (f"{{type: PILArNetDataset, path: {root}, revision: v1, min_points: 300, "
                 "energy_threshold: 0.25, remove_low_energy_scatters: true, split: ")
         res = run_pimm(["launch", "--train.config", "tests/tiny_semseg", "--resources.nproc-per-node", str(nproc),
                         "--run.name", name, "--run.no-timestamp", "--paths.exp-root", str(tmp_path / "exp"),
@@ -506,3 +506,51 @@ def test_two_ranks_with_loader_workers_then_resume_on_one_rank(tmp_path: Path) -
     for step, loss in losses(run_dir).items():  # float summation order differs across topologies
         assert abs(loss - losses(ref)[step]) <= 1e-4 * loss
     assert selected.info["content_hash"] in (run_dir / "provenance.json").read_text()
+
+
+def test_published_finetuning_recipe_runs_on_two_ranks(tmp_path: Path) -> None:
+    """configs/pilarnet/finetune.py as shipped: a Pointcept-style backbone checkpoint with another head
+    (key_map + skip, strict=False), a tenth of the lr for the backbone, CE + Lovasz, rotation, flip and
+    grid sampling, the published reader defaults and features, on 2 ranks with loader workers."""
+    from pimm.models import build_model
+
+    root = tmp_path / "pil"
+    write_pilarnet(root, 24, seed=41, shards=2, split="train", revision="v3")
+    write_pilarnet(root, 6, seed=42, split="val", revision="v3")
+    cfg = load_config(REPO / "configs" / "pilarnet" / "finetune.py")
+    torch.manual_seed(5)
+    other = build_model({**cfg["model"], "num_classes": 6}).state_dict()  # someone's 6-class model
+    backbone = {("module.head." + k[5:]) if k.startswith("head.") else "module.backbone." + k: v
+                for k, v in other.items()}
+    checkpoint = tmp_path / "pointcept.pth"
+    torch.save({"epoch": 10, "state_dict": backbone}, checkpoint)
+    head = [k for k in other if k.startswith("head.")]
+
+    res = run_pimm(["launch", "--train.config", "pilarnet/finetune", "--resources.nproc-per-node", "2",
+                    "--run.name", "recipe", "--run.no-timestamp", "--paths.exp-root", str(tmp_path / "exp"), "--",
+                    f"pretrained.path={checkpoint}", "data.test=null", "max_steps=2", "epochs=1",
+                    "data.train.min_points=100", "data.val.min_points=100", "revision=v3",
+                    *(f"data.{s}.path={root}" for s in ("train", "val"))], cwd=REPO, timeout=300)
+    assert res.returncode == 2 and "unknown config key 'revision'" in res.stderr  # a typo is refused at once
+    res = run_pimm(["launch", "--train.config", "pilarnet/finetune", "--resources.nproc-per-node", "2",
+                    "--run.name", "recipe", "--run.no-timestamp", "--paths.exp-root", str(tmp_path / "exp"), "--",
+                    f"pretrained.path={checkpoint}", "data.test=null", "max_steps=2", "epochs=1", "num_worker=4",
+                    "data.train.min_points=100", "data.val.min_points=100", "data.train.revision=v3",
+                    "data.val.revision=v3", *(f"data.{s}.path={root}" for s in ("train", "val"))],
+                   cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    loaded = len(other) - len(head)
+    assert f"loaded {loaded} of {len(other)}, skipped {len(head)} (head." in res.stdout
+    run_dir = tmp_path / "exp" / "pilarnet" / "recipe"
+    attempt = attempts(run_dir)[-1]
+    assert attempt["pretrained"]["loaded"] == loaded and attempt["world_size"] == 2
+    lr = cfg["optimizer"]["lr"]
+    groups = [(g["params"], g["lr"], g["weight_decay"]) for g in attempt["optimizer_groups"]]
+    assert [(p, round(r / lr, 6)) for p, r, _ in groups] == [
+        ("default", 1.0), ("stem.*norm*|stem.*bias|blocks.*norm*|blocks.*bias", 0.1), ("stem.*|blocks.*", 0.1),
+        ("*norm*|*bias", 1.0)]
+    assert [wd for *_, wd in groups] == [0.01, 0.0, 0.01, 0.0]
+    used = load_config(run_dir / "config.py")
+    assert used["data"]["train"]["features"] == "published" and [t["type"] for t in used["task"]["loss"]] == [
+        "CrossEntropy", "Lovasz"]
+    assert losses(run_dir) and all(np.isfinite(v) for v in losses(run_dir).values())
