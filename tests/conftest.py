@@ -158,6 +158,22 @@ def tested_run(tmp_path_factory, tiny_data) -> subprocess.CompletedProcess:
     return res
 
 
+@pytest.fixture(scope="session")
+def evaluations(tested_run, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """`pimm test` of tested_run's best model on its data.test: at 1 rank (saving predictions), at 2 ranks
+    under DDP (saving predictions and scores) and at 2 ranks under FSDP2: name -> (result, --out folder).
+    Read by tests/test_evaluate.py and tests/test_predict.py."""
+    root = tmp_path_factory.mktemp("evaluations")
+    done = {}
+    for name, nproc, args, overrides in (("one", 1, ("--save-predictions",), ()),
+                                         ("ddp", 2, ("--save-predictions", "--save-scores"), ()),
+                                         ("fsdp2", 2, (), ("parallel.strategy=fsdp2",))):
+        out = root / name
+        done[name] = run_pimm(["test", "--run-dir", str(tested_run.run_dir), "--resources.nproc-per-node", str(nproc),
+                               "--out", str(out), *args, *(["--", *overrides] if overrides else [])], cwd=REPO), out
+    return done
+
+
 # One pair of runs, at 1 and at 2 ranks, of the same initial weights (lr=0: every step sees them) with
 # point transforms on the training set and a CrossEntropy + Lovasz loss: shared by the tests that the
 # 2-rank run takes the same training losses (tests/test_losses.py, tests/test_transforms.py) and the

@@ -23,21 +23,8 @@ def pimm_test(run_dir, *args, overrides=()):
     return run_pimm(["test", "--run-dir", str(run_dir), *args, *(["--", *overrides] if overrides else [])], cwd=REPO)
 
 
-@pytest.fixture(scope="module")
-def evaluations(tested_run, tmp_path_factory):
-    """`pimm test` of the shared run at 1 rank, at 2 ranks under DDP (saving predictions and scores too),
-    and at 2 ranks under FSDP2: name -> (result, --out folder)."""
-    root = tmp_path_factory.mktemp("evaluations")
-    done = {}
-    for name, nproc, args, overrides in (("one", 1, (), ()), ("ddp", 2, ("--save-predictions", "--save-scores"), ()),
-                                         ("fsdp2", 2, (), ("parallel.strategy=fsdp2",))):
-        out = root / name
-        done[name] = pimm_test(tested_run.run_dir, "--resources.nproc-per-node", str(nproc), "--out", str(out), *args,
-                               overrides=overrides), out
-    return done
-
-
 def test_same_confusion_at_1_and_2_ranks_ddp_and_fsdp2(evaluations):
+    """conftest.evaluations: pimm test of the shared run at 1 rank, 2 ranks (DDP) and 2 ranks (FSDP2)."""
     results = {}
     for name, nproc in (("one", 1), ("ddp", 2), ("fsdp2", 2)):
         res, out = evaluations[name]

@@ -9,7 +9,7 @@ import shutil
 import h5py
 import numpy as np
 import pytest
-from conftest import REPO, run_pimm
+from conftest import REPO, pimm_in_process, run_pimm
 
 from pimm.cli import main
 from pimm.data.predictions import open_predictions
@@ -41,7 +41,7 @@ def read(path):
         return preds.header(), preds.provenance, events
 
 
-def test_unlabelled_file_at_2_ranks_equals_pimm_test(trained, unlabelled, tiny_data, tmp_path):
+def test_unlabelled_file_at_2_ranks_equals_pimm_test(trained, evaluations, unlabelled, tiny_data, tmp_path):
     out = tmp_path / "preds.h5"
     res = predict("--weights", trained, "--data", unlabelled, "--out", out, "--resources.nproc-per-node", 2,
                   "--save-scores")
@@ -54,19 +54,21 @@ def test_unlabelled_file_at_2_ranks_equals_pimm_test(trained, unlabelled, tiny_d
     assert provenance["world_size"] == 2 and len(provenance["weights_sha256"]) == 64
     assert provenance["data"]["num_events"] == 12 and provenance["data"]["content_hash"]
 
-    test_dir = tmp_path / "test"
-    res = run_pimm(["test", "--run-dir", str(trained), "--out", str(test_dir), "--save-predictions", "--",
-                    f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}"], cwd=REPO)
+    # `pimm test --save-predictions` of the same run's labelled data.test (the tiny val file), at 1 rank
+    res, test_dir = evaluations["one"]
     assert res.returncode == 0, res.stderr
+    assert "--save-predictions" in res.args and f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}" in (
+        (trained / "launch.json").read_text())
     _, tested_provenance, tested = read(test_dir / "predictions.h5")
+    assert sorted(tested) == sorted(events)
     assert tested_provenance["weights_sha256"] == provenance["weights_sha256"]
     for i, event in tested.items():
         assert np.array_equal(events[i]["pred"], event["pred"]), i
         assert np.array_equal(events[i]["coord"], event["coord"])
 
     # pimm test refuses the unlabelled file in one line that points at pimm predict
-    res = run_pimm(["test", "--run-dir", str(trained), "--out", str(tmp_path / "t2"), "--",
-                    f"data.test={{type: LArTPCDataset, path: {unlabelled}}}"], cwd=REPO)
+    res = pimm_in_process(["test", "--run-dir", str(trained), "--out", str(tmp_path / "t2"), "--",
+                           f"data.test={{type: LArTPCDataset, path: {unlabelled}}}"])
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "pimm predict" in lines[0], res.stderr
 
