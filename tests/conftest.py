@@ -98,13 +98,18 @@ def pimm_in_process(args: list, cwd: Path = REPO) -> subprocess.CompletedProcess
 TINY = "tests/tiny_semseg"  # 48 train events / batch 4 = 12 steps per epoch
 
 
-def launch(exp, tiny_data, nproc, *overrides, name="run", resume=False, extra=()):
+def launch_args(exp, tiny_data, nproc, *overrides, name="run", resume=False, extra=()) -> list[str]:
+    """The `pimm` arguments of launch() (for pimm_in_process where a launch is refused before it starts)."""
     args = ["launch", "--train.config", TINY, "--resources.nproc-per-node", str(nproc), "--run.name", name,
             "--run.no-timestamp", "--paths.exp-root", str(exp), *extra]
     if resume:
         args.append("--train.resume")
-    res = run_pimm([*args, "--", f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}",
-                    "log_event_ids=true", *overrides], cwd=REPO)
+    return [*args, "--", f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}",
+            "log_event_ids=true", *overrides]
+
+
+def launch(exp, tiny_data, nproc, *overrides, name="run", resume=False, extra=()):
+    res = run_pimm(launch_args(exp, tiny_data, nproc, *overrides, name=name, resume=resume, extra=extra), cwd=REPO)
     return res, exp / "tests" / name
 
 
@@ -227,12 +232,34 @@ def killed_in_checkpoint(tmp_path_factory, tiny_data) -> tuple[Path, list[str]]:
     return run_dir, killed_files
 
 
+@pytest.fixture(scope="session")
+def interrupted_at_7(tmp_path_factory, tiny_data) -> Path:
+    """A 2-rank run of the tiny config stopped at step 7 (status 75), logging to TensorBoard where it is
+    installed (which changes nothing of the training). Shared by tests/test_tensorboard.py and
+    tests/test_fsdp2.py: each resumes its own copy (copy_exp)."""
+    import importlib.util
+
+    board = ["tensorboard.enabled=true"] if importlib.util.find_spec("tensorboard") else []
+    res, run_dir = launch(tmp_path_factory.mktemp("at7"), tiny_data, 2, *board, "debug.interrupt_at_step=7")
+    assert res.returncode == 75, res.stderr
+    return run_dir
+
+
 def copy_exp(run_dir: Path, tmp_path: Path) -> Path:
     """A copy of a shared run's exp root under tmp_path/exp, for one test to resume or damage; the
     shared run stays as it is. The run is at copy/tests/<run_dir.name>."""
     exp = tmp_path / "exp"
     shutil.copytree(run_dir.parents[1], exp)
     return exp
+
+
+@pytest.fixture(scope="session")
+def reference_1rank(tmp_path_factory, tiny_data):
+    """The same uninterrupted run as `reference` (2 epochs, 24 steps) on 1 process: the same events at
+    every step, float sums in another order."""
+    res, run_dir = launch(tmp_path_factory.mktemp("ref1"), tiny_data, 1, name="ref1")
+    assert res.returncode == 0, res.stderr
+    return run_dir
 
 
 def start_launch(exp, tiny_data, nproc, *overrides, name="run", extra=()) -> subprocess.Popen:

@@ -86,12 +86,7 @@ def test_a_scheduler_state_a_safe_load_would_refuse_fails_at_save_naming_it():
 # -- tampered checkpoints are refused through `pimm launch --train.resume` ---------------------
 
 
-@pytest.fixture(scope="module")
-def interrupted(tmp_path_factory, tiny_data) -> Path:
-    """A 1-rank run stopped at step 2 (status 75) with one complete checkpoint."""
-    res, run_dir = launch(tmp_path_factory.mktemp("exp"), tiny_data, 1, "debug.interrupt_at_step=2")
-    assert res.returncode == 75, res.stderr
-    return run_dir
+# `interrupted` (conftest): a shared 1-rank run stopped at step 2; each test below works on a copy.
 
 
 def _rewrite_trainer_dcp(ckpt: Path, change) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import attempts, launch, weights
+from conftest import attempts, launch, launch_args, pimm_in_process, weights
 
 TINY_MODEL = dict(type="PointSegNet", in_channels=4, num_classes=5, channels=16, grid_sizes=[4, 16])
 
@@ -43,11 +43,14 @@ def test_a_new_head_loads_partially_and_strict_refuses(tmp_path, tiny_data):
     source = model_state(num_classes=6)
     path = tmp_path / "six_classes.pth"
     torch.save(source, path)
-    res, _ = launch(tmp_path, tiny_data, 1, "max_steps=1", name="strict", extra=["--train.weight", str(path)])
+    # the refusals come before any process starts: pimm's CLI in this process
+    res = pimm_in_process(launch_args(tmp_path, tiny_data, 1, "max_steps=1", name="strict",
+                                      extra=["--train.weight", str(path)]))
     refused(res, "do not fit model", "2 shape mismatches (head.1.weight: [6, 16] in the file, [5, 16] in the model",
             "pretrained.strict=false")
-    res, _ = launch(tmp_path, tiny_data, 1, "max_steps=1", "pretrained.strict=false",
-                    "pretrained.key_map=[['', 'backbone.']]", name="nothing", extra=["--train.weight", str(path)])
+    res = pimm_in_process(launch_args(tmp_path, tiny_data, 1, "max_steps=1", "pretrained.strict=false",
+                                      "pretrained.key_map=[['', 'backbone.']]", name="nothing",
+                                      extra=["--train.weight", str(path)]))
     refused(res, "share no parameter", "pretrained.key_map")
 
     res, run_dir = launch(tmp_path, tiny_data, 1, "max_steps=1", "optimizer.lr=0", "pretrained.strict=false",
@@ -91,7 +94,7 @@ def test_parameter_groups_train_and_resume(tmp_path, tiny_data):
     assert [(g["params"], g["tensors"], g["lr"], g["weight_decay"]) for g in recorded] == [
         ("default", 8, 3e-3, 0.01), ("stem.*", 4, 0.0, 0.01), ("*norm*|*bias", 12, 3e-3, 0.5)]
 
-    res, _ = launch(tmp_path, tiny_data, 1, "param_groups=[]", name="groups", resume=True)
+    res = pimm_in_process(launch_args(tmp_path, tiny_data, 1, "param_groups=[]", name="groups", resume=True))
     refused(res, "param_groups:", "parameter groups")
     res, _ = launch(tmp_path, tiny_data, 1, name="groups", resume=True)
     assert res.returncode == 0, res.stderr
@@ -108,5 +111,5 @@ def test_parameter_groups_train_and_resume(tmp_path, tiny_data):
     ("pretrained.strcit=false", ["unknown config key 'pretrained.strcit'; did you mean 'pretrained.strict'"]),
 ])
 def test_bad_finetune_entries_exit_2(tmp_path, tiny_data, override, texts):
-    res, _ = launch(tmp_path, tiny_data, 1, override, name="bad", extra=["--dry-run"])
+    res = pimm_in_process(launch_args(tmp_path, tiny_data, 1, override, name="bad", extra=["--dry-run"]))
     refused(res, *texts)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY, attempts, launch, losses, pimm_in_process, steps, weights
+from conftest import TINY, attempts, copy_exp, launch, losses, pimm_in_process, steps, weights
 
 FSDP2 = "parallel.strategy=fsdp2"
 # FSDP2 reduce-scatters gradients where DDP all-reduces them, and divides by the world size at a
@@ -48,10 +48,11 @@ def test_fsdp2_matches_ddp_step_for_step(tmp_path, tiny_data, reference):
     model.load_state_dict(torch.load(run_dir / "model/last/weights.pth", weights_only=True))
 
 
-def test_a_ddp_checkpoint_resumes_under_fsdp2(tmp_path, tiny_data, reference):
-    res, run_dir = launch(tmp_path, tiny_data, 2, "debug.interrupt_at_step=7", name="convert")
-    assert res.returncode == 75, res.stderr
-    res, run_dir = launch(tmp_path, tiny_data, 2, FSDP2, name="convert", resume=True)
+def test_a_ddp_checkpoint_resumes_under_fsdp2(tmp_path, tiny_data, reference, interrupted_at_7):
+    # conftest's shared 2-rank DDP run stopped at step 7 (it also logs to TensorBoard); this test resumes a copy
+    exp = copy_exp(interrupted_at_7, tmp_path)
+    assert attempts(exp / "tests" / interrupted_at_7.name)[-1]["strategy"] == "ddp"
+    res, run_dir = launch(exp, tiny_data, 2, FSDP2, name=interrupted_at_7.name, resume=True)
     assert res.returncode == 0, res.stderr
     assert "parallel.strategy: 'ddp' -> 'fsdp2'" in res.stdout
     resumed = attempts(run_dir)[-1]

@@ -20,6 +20,7 @@ from conftest import (
     launch,
     losses,
     metrics_lines,
+    pimm_in_process,
     processes_of,
     run_pimm,
     signal_all,
@@ -158,7 +159,7 @@ def test_resume_refuses_changes_that_cannot_continue_the_run(tmp_path, tiny_data
         ("optimizer.lr=0.001", "optimizer.lr: 0.003 in the run, 0.001 now"),
         ("epochs=4", "epochs: 2 in the run, 4 now: this changes the length of the run's OneCycleLR schedule"),
     ]:
-        res = run_pimm(["launch", "--train.resume", str(run_dir), "--", override], cwd=REPO, timeout=120)
+        res = pimm_in_process(["launch", "--train.resume", str(run_dir), "--", override])
         assert res.returncode == 2, res.stderr
         message = [ln for ln in res.stderr.splitlines() if ln.startswith("pimm: error:")]
         assert len(message) == 1 and expected in message[0], res.stderr
@@ -179,7 +180,8 @@ def test_resume_with_more_epochs_under_a_constant_schedule_continues(tmp_path, t
 
 def test_warm_start_survives_a_torchrun_restart_before_the_first_checkpoint(tmp_path, tiny_data, reference):
     best = reference / "model/model_best.pth"
-    proc = start_launch(tmp_path, tiny_data, 2, "epochs=3", name="warm",
+    # epochs=1: the only checkpoint is the run's last step (12); the kill lands at step 2, before it
+    proc = start_launch(tmp_path, tiny_data, 2, "epochs=1", name="warm",
                         extra=["--train.weight", str(best), "--resources.max-restarts", "1"])
     run_dir = tmp_path / "tests" / "warm"
     try:

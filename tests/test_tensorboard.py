@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import launch
+from conftest import copy_exp, launch
 
 from pimm.config import load_config
 from pimm.config.validate import check_config
@@ -61,12 +61,14 @@ def assert_same_curves(run_dir: Path) -> None:
             assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, rel=1e-6), tag
 
 
-def test_interrupted_then_resumed_run_has_continuous_curves(tmp_path, tiny_data):
-    res, run_dir = launch(tmp_path, tiny_data, 2, "tensorboard.enabled=true", "debug.interrupt_at_step=7")
-    assert res.returncode == 75, res.stderr
+def test_interrupted_then_resumed_run_has_continuous_curves(tmp_path, tiny_data, interrupted_at_7):
+    # conftest's shared 2-rank run stopped at step 7 with tensorboard.enabled=true; this test resumes a copy
+    exp = copy_exp(interrupted_at_7, tmp_path)
+    run_dir = exp / "tests" / interrupted_at_7.name
+    assert "tensorboard.enabled=true" in (run_dir / "launch.json").read_text()
     assert len(list((run_dir / "tensorboard").iterdir())) == 1  # rank 0 only
     assert [s for s, _ in tensorboard_scalars(run_dir)["train/loss"]] == list(range(1, 8))
-    res, run_dir = launch(tmp_path, tiny_data, 1, resume=True)  # the run's own config keeps TensorBoard on
+    res, run_dir = launch(exp, tiny_data, 1, resume=True)  # the run's own config keeps TensorBoard on
     assert res.returncode == 0, res.stderr
     assert len(list((run_dir / "tensorboard").iterdir())) == 2  # one event file per attempt
     assert_same_curves(run_dir)
