@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, assert_bitwise_equal, attempts, launch, losses, steps, weights
+from conftest import REPO, TINY, assert_bitwise_equal, attempts, copy_exp, launch, losses, steps, weights
 
 
 def test_interrupted_and_resumed_three_times_in_one_epoch_is_bit_exact(tmp_path, tiny_data, reference):
@@ -30,21 +30,56 @@ def test_interrupted_and_resumed_three_times_in_one_epoch_is_bit_exact(tmp_path,
     assert runs[-1]["outcome"] == "completed" and runs[0]["outcome"].startswith("interrupted")
 
 
+@pytest.fixture(scope="module")
+def one_rank_epoch(tmp_path_factory, tiny_data, reference_1rank):
+    """batch -> an uninterrupted 1-rank run whose first epoch is the topology tests' reference: for the
+    tiny config's batch 4 (and batch_size_val 4) conftest's shared 1-rank run, otherwise one epoch made
+    once per batch size and shared by the parameters that use it."""
+    runs = {4: reference_1rank}
+
+    def get(batch: int):
+        if batch not in runs:
+            common = (f"batch_size={batch}", f"batch_size_val={batch}", "epochs=1")
+            res, runs[batch] = launch(tmp_path_factory.mktemp("ref"), tiny_data, 1, *common, name="ref")
+            assert res.returncode == 0, res.stderr
+        return runs[batch]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def interrupted_at_5(tmp_path_factory, tiny_data):
+    """A 2-rank run stopped at step 5 (status 75); each test resumes its own copy."""
+    res, run_dir = launch(tmp_path_factory.mktemp("at5"), tiny_data, 2, "debug.interrupt_at_step=5")
+    assert res.returncode == 75, res.stderr
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def interrupted_at_8(tmp_path_factory, tiny_data):
+    """A 2-rank run checkpointing every 4 steps, stopped at step 8 (status 75); each test damages its own copy."""
+    res, run_dir = launch(tmp_path_factory.mktemp("at8"), tiny_data, 2, "checkpoint_every_n_steps=4",
+                          "debug.interrupt_at_step=8")
+    assert res.returncode == 75, res.stderr
+    return run_dir
+
+
 @pytest.mark.parametrize(
     "before,after,batch,workers",
     [(1, 2, 4, (0, 0)), (2, 1, 4, (0, 0)), (2, 3, 6, (0, 0)), (2, 2, 4, (0, 2))],
     ids=["1to2", "2to1", "2to3", "workers0to1"],
 )
-def test_topology_change_continues_mid_epoch_without_replay_or_skip(tmp_path, tiny_data, before, after, batch, workers):
+def test_topology_change_continues_mid_epoch_without_replay_or_skip(tmp_path, tiny_data, one_rank_epoch, before,
+                                                                  after, batch, workers):
     common = (f"batch_size={batch}", f"batch_size_val={batch}", "epochs=1")
-    res, ref = launch(tmp_path, tiny_data, 1, *common, name="ref")
-    assert res.returncode == 0, res.stderr
+    ref = one_rank_epoch(batch)
     res, run_dir = launch(tmp_path, tiny_data, before, *common, f"num_worker={workers[0]}",
                           "debug.interrupt_at_step=3")
     assert res.returncode == 75, res.stderr
     res, run_dir = launch(tmp_path, tiny_data, after, *common, f"num_worker={workers[1]}", resume=True)
     assert res.returncode == 0, res.stderr
-    assert steps(run_dir) == steps(ref)  # every global step consumed the same events
+    first_epoch = {step: ids for step, ids in steps(ref).items() if step <= 48 // batch}
+    assert steps(run_dir) == first_epoch  # every global step consumed the same events
     seen = [i for ids in steps(run_dir).values() for i in ids]
     assert len(seen) == len(set(seen)) == 48 // batch * batch
     resumed = attempts(run_dir)[-1]
@@ -54,10 +89,9 @@ def test_topology_change_continues_mid_epoch_without_replay_or_skip(tmp_path, ti
 
 
 @pytest.mark.parametrize("change", ["batch_size=8", "resume_strict_state=false", "data.train.max_len=40"])
-def test_unmappable_cursor_restarts_the_epoch_with_a_replay_warning(tmp_path, tiny_data, change):
-    res, run_dir = launch(tmp_path, tiny_data, 2, "debug.interrupt_at_step=5")
-    assert res.returncode == 75, res.stderr
-    res, run_dir = launch(tmp_path, tiny_data, 2, change, resume=True)
+def test_unmappable_cursor_restarts_the_epoch_with_a_replay_warning(tmp_path, tiny_data, interrupted_at_5, change):
+    exp = copy_exp(interrupted_at_5, tmp_path)
+    res, run_dir = launch(exp, tiny_data, 2, change, resume=True)
     assert res.returncode == 0, res.stderr
     assert "may be seen twice" in res.stderr
     resumed = attempts(run_dir)[-1]
@@ -124,16 +158,17 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path,
 
 
 @pytest.mark.parametrize("victim", ["weights.pth", "trainer.dcp"])
-def test_corrupt_checkpoint_names_the_file_and_falls_back_to_an_older_one(tmp_path, tiny_data, reference, victim):
-    res, run_dir = launch(tmp_path, tiny_data, 2, "checkpoint_every_n_steps=4", "debug.interrupt_at_step=8")
-    assert res.returncode == 75, res.stderr
+def test_corrupt_checkpoint_names_the_file_and_falls_back_to_an_older_one(tmp_path, tiny_data, reference,
+                                                                          interrupted_at_8, victim):
+    exp = copy_exp(interrupted_at_8, tmp_path)
+    run_dir = exp / "tests" / interrupted_at_8.name
     target = run_dir / "model/last" / victim
     if target.is_dir():
         target = sorted(p for p in target.iterdir() if p.name.endswith(".distcp"))[0]
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte: the size is unchanged
     target.write_bytes(bytes(data))
-    res, run_dir = launch(tmp_path, tiny_data, 2, "checkpoint_every_n_steps=4", resume=True)
+    res, run_dir = launch(exp, tiny_data, 2, "checkpoint_every_n_steps=4", resume=True)
     assert res.returncode == 0, res.stderr
     log = (run_dir / "logs/rank0.log").read_text() + (run_dir / "logs/rank1.log").read_text()
     assert f"corrupt checkpoint file {target}" in log and "falling back" in log
@@ -141,20 +176,20 @@ def test_corrupt_checkpoint_names_the_file_and_falls_back_to_an_older_one(tmp_pa
     assert_bitwise_equal(weights(run_dir), weights(reference))
 
 
-def test_truncated_only_checkpoint_is_a_clear_error(tmp_path, tiny_data):
-    res, run_dir = launch(tmp_path, tiny_data, 1, "debug.interrupt_at_step=2")
-    assert res.returncode == 75, res.stderr
-    weights_file = run_dir / "model/last/weights.pth"
+def test_truncated_only_checkpoint_is_a_clear_error(tmp_path, tiny_data, interrupted):
+    exp = copy_exp(interrupted, tmp_path)
+    weights_file = exp / "tests" / interrupted.name / "model/last/weights.pth"
     weights_file.write_bytes(weights_file.read_bytes()[:100])
-    res, _ = launch(tmp_path, tiny_data, 1, resume=True)
+    res, _ = launch(exp, tiny_data, 1, resume=True)
     assert res.returncode != 0
     assert f"corrupt checkpoint file {weights_file}" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_rank_killed_under_max_restarts_resumes_by_itself(tmp_path, tiny_data):
-    common = ("epochs=6", "checkpoint_every_n_steps=4", "checkpoint_async=false")
-    res, ref = launch(tmp_path, tiny_data, 2, *common, name="ref")
-    assert res.returncode == 0, res.stderr
+def test_rank_killed_under_max_restarts_resumes_by_itself(tmp_path, tiny_data, reference):
+    # the tiny config's 2 epochs (24 steps): the kill lands right after the step-8 checkpoint, 16 steps before
+    # the end; checkpointing changes nothing of the training, so the shared uninterrupted run is the reference
+    common = ("checkpoint_every_n_steps=4", "checkpoint_async=false")
+    ref = reference
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run_dir = tmp_path / "tests" / "victim"
     proc = subprocess.Popen(
