@@ -4,7 +4,7 @@ the same events."""
 
 import pytest
 import torch
-from conftest import REPO, TINY, launch, losses, run_pimm, steps, weights
+from conftest import TINY, launch, launch_args, losses, pimm_in_process, steps, weights
 
 from pimm.data.collate import collate_events, split_events
 from pimm.distributed.batch import plan_batches
@@ -91,15 +91,16 @@ def test_ranks_times_accumulation_gives_the_same_steps(topology_runs):
 
 
 def test_dry_run_shows_the_micro_batches(tmp_path, tiny_data):
-    res = run_pimm(["launch", "--train.config", TINY, "--resources.nproc-per-node", "2", "--dry-run",
-                    "--paths.exp-root", str(tmp_path), "--", f"data.train.path={tiny_data['train']}",
-                    f"data.val.path={tiny_data['val']}", "batch_size=8", "grad_accum_steps=2"], cwd=REPO)
+    res = pimm_in_process(["launch", "--train.config", TINY, "--resources.nproc-per-node", "2", "--dry-run",
+                           "--paths.exp-root", str(tmp_path), "--", f"data.train.path={tiny_data['train']}",
+                           f"data.val.path={tiny_data['val']}", "batch_size=8", "grad_accum_steps=2"])
     assert res.returncode == 0, res.stderr
     assert "per rank: batch_size 4 events (global 8) = 2 micro-batch(es) of 2 (grad_accum_steps 2)" in res.stdout
 
 
 def test_non_divisible_accumulation_fails_before_start(tmp_path, tiny_data):
-    res, run_dir = launch(tmp_path, tiny_data, 2, "batch_size=8", "grad_accum_steps=3")
+    res = pimm_in_process(launch_args(tmp_path, tiny_data, 2, "batch_size=8", "grad_accum_steps=3"))
+    run_dir = tmp_path / "tests" / "run"
     assert res.returncode == 2
     assert "world size 2 x grad_accum_steps 3 = 6" in res.stderr and "6, 12" in res.stderr
     assert not run_dir.exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch
+from conftest import launch, launch_args, pimm_in_process
 from safetensors.torch import load_file
 
 from pimm.checkpoint.layout import CheckpointError
@@ -99,7 +99,8 @@ def test_train_weight_accepts_an_export(capsys, tmp_path, run_dir, tiny_data):
     pick = lambda recs: [(r["loss"], r["miou"]) for r in recs if r["kind"] == "val"][-1]  # noqa: E731
     assert pick(val) == pick(source)
     # other-model weights are refused before anything starts
-    res, _ = launch(tmp_path, tiny_data, 1, "model.channels=8", name="other", extra=["--train.weight", str(out)])
+    res = pimm_in_process(launch_args(tmp_path, tiny_data, 1, "model.channels=8", name="other",
+                                      extra=["--train.weight", str(out)]))
     assert res.returncode == 2 and "do not fit model" in res.stderr and "config.json" in res.stderr
 
 

@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, TINY, run_pimm
+from conftest import REPO, TINY, pimm_in_process, run_pimm
 
 from pimm.cli.paths import config_roots
 from pimm.config import load_config, resolve_config_path
@@ -42,11 +42,13 @@ def _spoil(path: Path, events: dict[int, tuple[str, int, float]]) -> Path:
     return path
 
 
-def _launch(exp: Path, train: str, val: str, *extra: str, dry_run: bool = False, overrides=()):
+def _launch(exp: Path, train: str, val: str, *extra: str, dry_run: bool = False, overrides=(), refused=False):
+    """`pimm launch` of the tiny config on this data; refused=True: a launch the test expects to be refused
+    before any process starts, run through pimm's CLI in this process."""
     args = ["launch", "--train.config", TINY, "--resources.nproc-per-node", "1", "--run.name", "run",
             "--run.no-timestamp", "--paths.exp-root", str(exp), *(["--dry-run"] if dry_run else []), *extra,
             "--", f"data.train={train}", f"data.val={val}", *overrides]
-    return run_pimm(args, cwd=REPO, timeout=180)
+    return pimm_in_process(args) if refused else run_pimm(args, cwd=REPO, timeout=180)
 
 
 def _event_file_spec(path: Path, **kw) -> str:
@@ -61,7 +63,8 @@ def _problem_lines(stderr: str) -> list[str]:
 def test_nan_coordinate_refuses_the_launch_in_one_line(tmp_path: Path, tiny_data) -> None:
     train = _spoil(write_dataset(tmp_path / "train.h5", 48, seed=11), {5: ("coord", 1, math.nan)})
     for dry_run in (True, False):
-        res = _launch(tmp_path / "exp", _event_file_spec(train), _event_file_spec(tiny_data["val"]), dry_run=dry_run)
+        res = _launch(tmp_path / "exp", _event_file_spec(train), _event_file_spec(tiny_data["val"]), dry_run=dry_run,
+                      refused=True)
         assert res.returncode == 2, res.stdout + res.stderr
         lines = _problem_lines(res.stderr)
         assert len(lines) == 1, res.stderr
@@ -80,7 +83,7 @@ def test_inf_energy_in_a_pilarnet_shard_refuses_the_launch_in_one_line(tmp_path:
     def spec(split: str) -> str:
         return f"{{type: PILArNetDataset, path: {tmp_path / 'd'}, split: {split}, volume_size: 256.0}}"
 
-    res = _launch(tmp_path / "exp", spec("train"), spec("val"), overrides=["batch_size=2"])
+    res = _launch(tmp_path / "exp", spec("train"), spec("val"), overrides=["batch_size=2"], refused=True)
     assert res.returncode == 2, res.stdout + res.stderr
     lines = _problem_lines(res.stderr)
     assert len(lines) == 1, res.stderr
@@ -158,7 +161,8 @@ def test_empty_event_file_says_it_has_no_events(tmp_path: Path, tiny_data) -> No
         f.create_dataset("segment", shape=(0,), dtype="u1")
         f.create_dataset("offsets", data=np.zeros(1, np.int64))
         f.attrs.update(format="pimm-events", format_version=1, num_events=0, content_hash="0" * 64)
-    res = _launch(tmp_path / "exp", _event_file_spec(empty), _event_file_spec(tiny_data["val"]), dry_run=True)
+    res = _launch(tmp_path / "exp", _event_file_spec(empty), _event_file_spec(tiny_data["val"]), dry_run=True,
+                  refused=True)
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"event file {empty}: the file has no events (num_events=0, 0 point rows)" in res.stderr
     assert "inconsistent" not in res.stderr
@@ -169,7 +173,7 @@ def test_negative_cluster_size_is_named_plainly(tmp_path: Path) -> None:
     event["cluster"][1, 0] = -event["cluster"][1, 0]
     path = write_pilarnet_file(tmp_path / "neg.h5", [pilarnet_event(5, 1), event])
     spec = f"{{type: PILArNetDataset, path: {path}, volume_size: 256.0}}"
-    res = _launch(tmp_path / "exp", spec, spec, dry_run=True)
+    res = _launch(tmp_path / "exp", spec, spec, dry_run=True, refused=True)
     assert res.returncode == 2, res.stdout + res.stderr
     assert (f"{path}: event 1: cluster 1 has size {int(event['cluster'][1, 0])}; a cluster's size is its number "
             "of points and cannot be negative") in res.stderr, res.stderr
