@@ -248,15 +248,33 @@ def launch_ptv3(exp, tiny_data, nproc: int, name: str, *overrides: str):
     return run_dir, [r["loss"] for r in records if r["kind"] == "train"]
 
 
-def test_one_and_two_ranks_and_accumulation_train_alike_under_ddp_and_fsdp2(tmp_path, tiny_data):
+@pytest.fixture(scope="module")
+def ptv3_reference(tmp_path_factory, tiny_data):
+    """An uninterrupted 2-rank DDP epoch (12 steps) of tiny_ptv3 with loader workers (num_worker=4): the
+    SIGUSR1 test's reference, and (its first 4 steps) the 2-rank DDP run of the parity test."""
+    exp = tmp_path_factory.mktemp("ptv3")
+    reference = start_launch(exp, tiny_data, 2, "num_worker=4", "epochs=1", "log_event_ids=true", name="reference",
+                             extra=["--train.config", TINY_PTV3])
+    try:
+        out, err = reference.communicate(timeout=300)
+    finally:
+        kill_run(reference, exp / "tests" / "reference")
+    assert reference.returncode == 0, err
+    return exp / "tests" / "reference"
+
+
+def test_one_and_two_ranks_and_accumulation_train_alike_under_ddp_and_fsdp2(tmp_path, tiny_data, ptv3_reference):
     """With drop path on (tiny_ptv3: 0.2) and shuffled curves: 1 rank, 2 ranks (DDP, FSDP2) and 1 rank
-    in 2 micro-batches give the same losses: the randomness is keyed by step and event, not rank."""
+    in 2 micro-batches give the same losses: the randomness is keyed by step and event, not rank. The
+    2-rank DDP run is the first 4 steps of the module's reference epoch (constant learning rate; loader
+    workers change no event)."""
     one, loss1 = launch_ptv3(tmp_path, tiny_data, 1, "one")
-    two, loss2 = launch_ptv3(tmp_path, tiny_data, 2, "two")
+    two_steps = {step: ids for step, ids in steps(ptv3_reference).items() if step <= 4}
+    loss2 = [loss for step, loss in sorted(losses(ptv3_reference).items()) if step <= 4]
     fsdp, loss3 = launch_ptv3(tmp_path, tiny_data, 2, "fsdp2", "parallel.strategy=fsdp2",
                               "parallel.wrap_classes=[TransformerBlock]")
     accum, loss4 = launch_ptv3(tmp_path, tiny_data, 1, "accum", "grad_accum_steps=2")
-    assert steps(one) == steps(two) == steps(fsdp) == steps(accum)  # the same global batches, by construction
+    assert steps(one) == two_steps == steps(fsdp) == steps(accum)  # the same global batches, by construction
     assert len(loss1) == 4
     for other in (loss2, loss3, loss4):
         worst = max(abs(a - b) / abs(a) for a, b in zip(loss1, other, strict=True))
@@ -265,16 +283,13 @@ def test_one_and_two_ranks_and_accumulation_train_alike_under_ddp_and_fsdp2(tmp_
     assert "fsdp2: 5 TransformerBlock module(s) sharded" in log
 
 
-def test_sigusr1_to_every_process_with_loader_workers_then_resume_is_bit_exact(tmp_path, tiny_data):
+def test_sigusr1_to_every_process_with_loader_workers_then_resume_is_bit_exact(tmp_path, tiny_data, ptv3_reference):
     """As a cluster stops a job: every process (launcher, torchrun, 2 ranks, their loader workers) gets
     SIGUSR1; the resumed run draws the same shuffled curves and drop-path masks (keyed by the
     optimizer step and the event ids) and ends with the uninterrupted run's losses and weights, bit
     for bit."""
     common = ("num_worker=4", "epochs=1", "log_event_ids=true")
-    extra = ["--train.config", TINY_PTV3]
-    reference = start_launch(tmp_path, tiny_data, 2, *common, name="reference", extra=extra)
-    out, err = reference.communicate(timeout=300)
-    assert reference.returncode == 0, err
+    extra = ["--train.config", TINY_PTV3]  # the same run as ptv3_reference, stopped and resumed
     proc = start_launch(tmp_path, tiny_data, 2, *common, name="job", extra=extra)
     run_dir = tmp_path / "tests" / "job"
     try:
@@ -290,7 +305,7 @@ def test_sigusr1_to_every_process_with_loader_workers_then_resume_is_bit_exact(t
     res = run_pimm(["launch", "--train.config", TINY_PTV3, "--run.name", "job", "--run.no-timestamp",
                     "--paths.exp-root", str(tmp_path), "--train.resume"], cwd=REPO)
     assert res.returncode == 0, res.stderr
-    ref_dir = tmp_path / "tests" / "reference"
+    ref_dir = ptv3_reference
     assert steps(run_dir) == steps(ref_dir)
     assert losses(run_dir) == losses(ref_dir)
     assert_bitwise_equal(weights(run_dir), weights(ref_dir))
