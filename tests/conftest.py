@@ -191,14 +191,24 @@ LR0_OVERRIDES = ("optimizer.lr=0", "max_steps=3", "epochs=1", "batch_size_val=2"
 
 
 @pytest.fixture(scope="session")
-def lr0_runs(tmp_path_factory, tiny_data) -> dict[int, Path]:
-    """nproc (1, 2) -> run directory of LR0_OVERRIDES."""
+def lr0_launches(tmp_path_factory, tiny_data) -> dict[int, tuple[subprocess.CompletedProcess, Path]]:
+    """nproc (1, 2) -> (the launch's result, run directory) of LR0_OVERRIDES. Their configs also have a
+    data.test (the tiny val file) with test_after_training=false, which tests/test_evaluate.py checks:
+    the finished launches ran no `pimm test`."""
     exp = tmp_path_factory.mktemp("lr0")
-    runs = {}
+    done = {}
     for nproc in (1, 2):
-        res, runs[nproc] = launch(exp, tiny_data, nproc, *LR0_OVERRIDES, name=f"n{nproc}")
+        res, run_dir = launch(exp, tiny_data, nproc, *LR0_OVERRIDES, "test_after_training=false",
+                              f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}", name=f"n{nproc}")
         assert res.returncode == 0, res.stderr[-3000:]
-    return runs
+        done[nproc] = res, run_dir
+    return done
+
+
+@pytest.fixture(scope="session")
+def lr0_runs(lr0_launches) -> dict[int, Path]:
+    """nproc (1, 2) -> run directory of LR0_OVERRIDES."""
+    return {nproc: run_dir for nproc, (_, run_dir) in lr0_launches.items()}
 
 
 @pytest.fixture(scope="session")

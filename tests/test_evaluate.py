@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import REPO, launch, pimm_in_process, run_pimm
+from conftest import REPO, pimm_in_process, run_pimm
 
 from pimm.engine.metrics import metrics_from_confusion
 
@@ -93,13 +93,15 @@ def test_bad_input_exits_2_with_one_line(trained, tmp_path, case):
             "finished_out": "--out", "scores_alone": "--save-predictions"}[case] in lines[0]
 
 
-def test_a_finished_run_with_a_test_set_ends_with_its_test(tested_run, trained, tmp_path, tiny_data):
+def test_a_finished_run_with_a_test_set_ends_with_its_test(tested_run, trained, lr0_launches, tiny_data):
     """test_after_training (the default): the launch that finished training ran `pimm test` of the
-    best model into RUN/eval/test-best; with test_after_training=false it does not."""
+    best model into RUN/eval/test-best; with test_after_training=false it does not (conftest's shared
+    lr=0 runs, at 1 and 2 ranks, have a data.test and test_after_training=false)."""
     assert "pimm test: mIoU" in tested_run.stdout
     metrics = json.loads((trained / "eval" / "test-best" / "test_metrics.json").read_text())
     assert metrics["events"] == 12 and metrics["checkpoint"] == "best"
-    res, run_dir = launch(tmp_path, tiny_data, 1, "max_steps=1", "test_after_training=false",
-                          f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}", name="notest")
-    assert res.returncode == 0, res.stderr
-    assert "pimm test" not in res.stdout and not (run_dir / "eval").exists()
+    for res, run_dir in lr0_launches.values():
+        test_set = f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}"
+        assert "test_after_training=false" in res.args and test_set in res.args
+        assert res.returncode == 0, res.stderr
+        assert "pimm test" not in res.stdout and not (run_dir / "eval").exists()
