@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import attempts, launch, launch_args, pimm_in_process, weights
+from conftest import attempts, launch, launch_args, losses, pimm_in_process, weights
 
 TINY_MODEL = dict(type="PointSegNet", in_channels=4, num_classes=5, channels=16, grid_sizes=[4, 16])
 
@@ -82,25 +82,47 @@ def test_frozen_parameters_do_not_change(tmp_path, tiny_data, nproc, strategy):
     assert attempts(run_dir)[-1]["frozen"] == {"tensors": 6, "elements": 4 * 16 + 16 + 16 * 16 + 16 + 32}
 
 
-def test_parameter_groups_train_and_resume(tmp_path, tiny_data):
+@pytest.mark.parametrize("nproc,strategy", [(1, "ddp"), (2, "fsdp2")])
+def test_parameter_groups_train_and_resume(tmp_path, tiny_data, nproc, strategy):
     source = model_state()
     path = tmp_path / "source.pth"
     torch.save(source, path)
     groups = "param_groups=[{params: 'stem.*', lr_scale: 0.0}, {params: '*norm*|*bias', weight_decay: 0.5}]"
-    res, run_dir = launch(tmp_path, tiny_data, 1, "max_steps=2", "debug.interrupt_at_step=1", groups,
-                          "optimizer.weight_decay=0.01", name="groups", extra=["--train.weight", str(path)])
+    common = ("max_steps=2", "log_every=1", groups, "optimizer.weight_decay=0.01", f"parallel.strategy={strategy}")
+    weight = ["--train.weight", str(path)]
+    res, run_dir = launch(tmp_path, tiny_data, nproc, *common, "debug.interrupt_at_step=1", name="groups",
+                          extra=weight)
     assert res.returncode == 75, res.stderr
     recorded = attempts(run_dir)[-1]["optimizer_groups"]
     assert [(g["params"], g["tensors"], g["lr"], g["weight_decay"]) for g in recorded] == [
         ("default", 8, 3e-3, 0.01), ("stem.*", 4, 0.0, 0.01), ("*norm*|*bias", 12, 3e-3, 0.5)]
 
-    res = pimm_in_process(launch_args(tmp_path, tiny_data, 1, "param_groups=[]", name="groups", resume=True))
+    res = pimm_in_process(launch_args(tmp_path, tiny_data, nproc, "param_groups=[]", name="groups", resume=True))
     refused(res, "param_groups:", "parameter groups")
-    res, _ = launch(tmp_path, tiny_data, 1, name="groups", resume=True)
+    res, _ = launch(tmp_path, tiny_data, nproc, name="groups", resume=True)
     assert res.returncode == 0, res.stderr
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
-    for key, value in weights(run_dir).items():
+    resumed = weights(run_dir)
+    for key, value in resumed.items():
         assert torch.equal(value, source[key]) == key.startswith("stem."), key  # lr_scale 0: never moved
+    if strategy == "fsdp2":  # the grouped optimizer state comes back exactly: an uninterrupted run is identical
+        res, reference = launch(tmp_path, tiny_data, nproc, *common, name="reference", extra=weight)
+        assert res.returncode == 0, res.stderr
+        assert losses(run_dir) == losses(reference) and len(losses(reference)) == 2
+        assert all(torch.equal(value, weights(reference)[key]) for key, value in resumed.items())
+
+
+def test_validate_only_takes_its_weights_from_train_weight_or_pretrained_path(tmp_path, tiny_data):
+    path = tmp_path / "source.pth"
+    torch.save(model_state(), path)
+    res = pimm_in_process(launch_args(tmp_path, tiny_data, 1, "validate_only=true", extra=["--dry-run"]))
+    refused(res, "validate_only=true evaluates given weights", "--train.weight PATH or set pretrained.path")
+    for given in (["--dry-run", "--train.weight", str(path)], ["--dry-run"]):
+        overrides = ["validate_only=true"] + ([] if "--train.weight" in given else [f"pretrained.path={path}"])
+        res = pimm_in_process(launch_args(tmp_path, tiny_data, 1, *overrides, extra=given))
+        assert res.returncode == 0, res.stderr
+        assert "warm start from" in res.stdout and "loaded 24 of 24" in res.stdout
+    assert not (tmp_path / "tests").exists()  # dry runs write nothing
 
 
 @pytest.mark.parametrize("override,texts", [
