@@ -30,7 +30,8 @@ lint: venv
 	$(VENV)/bin/ruff check pimm tests benchmarks examples
 
 docs: venv
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	# NO_MKDOCS_2_WARNING: Material prints a banner about its successor on every build; it is not a build warning
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 docs-ref: venv
 	$(PY) -m pimm.docs_reference
