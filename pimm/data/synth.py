@@ -247,7 +247,7 @@ def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
     fragment of its object, fragment (N,) int8 (a shower's trunk 0 and sub-cascades 1, 2; 0 elsewhere).
     A pure function of (seed, index) (both non-negative integers)."""
     rng = np.random.default_rng([seed, index])
-    parts: list[tuple] = []  # (points, energies, semantic, pid[, fragment per point]) per object
+    parts: list[tuple] = []  # (points, energies, semantic, pid, fragment: 0 or one per point) per object
 
     vertex = rng.uniform(40.0, DETECTOR_SIZE - 40.0, size=3)  # neutrino-like interaction vertex
     n_tracks = int(rng.integers(1, 4))
@@ -257,18 +257,18 @@ def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
         start = vertex if from_vertex else rng.uniform(10.0, DETECTOR_SIZE - 10.0, size=3)
         direction = _random_dirs(rng, 1)[0]
         pts, energy, stops = _track(rng, start, direction, proton)
-        parts.append((pts, energy, TRACK, PROTON if proton else MUON))
+        parts.append((pts, energy, TRACK, PROTON if proton else MUON, 0))
         if not proton and stops and rng.random() < 0.6:
             end_dir = _random_dirs(rng, 1)[0]
             kinks = int(rng.integers(1, 4))
             m_pts, m_e = _electron(rng, pts[-1], end_dir, rng.uniform(10.0, 35.0), 0.8, 0.05, kinks, _MIP_DEDX)
-            parts.append((m_pts, m_e, MICHEL, ELECTRON))
+            parts.append((m_pts, m_e, MICHEL, ELECTRON, 0))
         for _ in range(int(rng.integers(0, 4))):
             at = int(rng.integers(int(0.1 * len(pts)), max(int(0.85 * len(pts)), int(0.1 * len(pts)) + 1)))
             local = _unit(pts[min(at + 3, len(pts) - 1)] - pts[max(at - 3, 0)])
             d_dir = _tilt(rng, local[None], np.array([rng.uniform(0.8, 1.5)]))[0]
             d_pts, d_e = _electron(rng, pts[at], d_dir, rng.uniform(3.0, 12.0), 0.7, 0.15, 0, 0.6 * _MIP_DEDX)
-            parts.append((d_pts, d_e, DELTA, ELECTRON))
+            parts.append((d_pts, d_e, DELTA, ELECTRON, 0))
 
     for _ in range(int(rng.choice(3, p=[0.15, 0.45, 0.4]))):
         origin = vertex if rng.random() < 0.5 else rng.uniform(20.0, DETECTOR_SIZE - 20.0, size=3)
@@ -277,15 +277,14 @@ def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
 
     activity = np.concatenate([p for p, *_ in parts])
     b_pts, b_e = _blips(rng, activity)
-    parts.append((b_pts, b_e, LOW_ENERGY, NO_PID))
+    parts.append((b_pts, b_e, LOW_ENERGY, NO_PID, 0))
 
     coord = np.concatenate([p for p, *_ in parts]).astype(np.float32)
-    energy = np.concatenate([part[1] for part in parts]).astype(np.float32)
+    energy = np.concatenate([e for _, e, *_ in parts]).astype(np.float32)
     segment = np.concatenate([np.full(len(p), label, dtype=np.uint8) for p, _, label, *_ in parts])
     instance = np.concatenate([np.full(len(p), i, dtype=np.int32) for i, (p, *_) in enumerate(parts)])
-    pid = np.concatenate([np.full(len(part[0]), part[3], dtype=np.int8) for part in parts])
-    fragment = np.concatenate([np.asarray(part[4] if len(part) > 4 else np.zeros(len(part[0])), np.int8)
-                               for part in parts])
+    pid = np.concatenate([np.full(len(p), kind, dtype=np.int8) for p, _, _, kind, _ in parts])
+    fragment = np.concatenate([np.broadcast_to(np.asarray(f, np.int8), len(p)) for p, *_, f in parts])
     # test containment after the float32 cast: 255.99999999 would round onto the face
     keep = np.all((coord >= 0.0) & (coord < DETECTOR_SIZE), axis=1)
     # real images come in voxel order, not object by object: do not leak labels through order
@@ -417,27 +416,31 @@ def _voxelised(e: dict[str, np.ndarray], seed: int, index: int, points_per_event
     if points_per_event is not None and n:
         rng = np.random.default_rng([seed, index, 768])  # its own stream: the objects stay as drawn
         noise = rng.normal(scale=PILARNET_SPREAD, size=(_MAX_COPIES * n, 3))
+        fragments = _fragment_ids(arrays)
         copies = min(_MAX_COPIES, max(1, -(-points_per_event // n)))
         for _ in range(3):  # a denser spread merges more copies into one voxel: correct for it
             dense = np.repeat(coord, copies, axis=0) + noise[: copies * n]
-            keys = _voxel_keys(dense, np.repeat(arrays["instance"], copies), np.repeat(arrays["fragment"], copies))
-            found = len(np.unique(keys))
+            found = len(np.unique(_voxel_keys(dense, np.repeat(fragments, copies))))
             if found >= 0.9 * points_per_event or copies == _MAX_COPIES:
                 break
             copies = min(_MAX_COPIES, int(np.ceil(copies * points_per_event / max(found, 1))))
         coord = dense
         arrays = {k: np.repeat(v, copies) for k, v in arrays.items()}
     voxel = np.clip(np.floor(coord), 0, VOXELS - 1)
-    _, first = np.unique(_voxel_keys(voxel, arrays["instance"], arrays["fragment"]), return_index=True)
+    _, first = np.unique(_voxel_keys(voxel, _fragment_ids(arrays)), return_index=True)
     first.sort()  # the event's own order
     return {"coord": voxel[first].astype(np.float32), **{k: v[first] for k, v in arrays.items()}}
 
 
-def _voxel_keys(coord: np.ndarray, instance: np.ndarray, fragment: np.ndarray) -> np.ndarray:
-    """One int64 per (voxel, object, fragment): equal keys are the same voxel of the same fragment."""
+def _fragment_ids(e: dict[str, np.ndarray]) -> np.ndarray:
+    """One int64 per point naming its object fragment (object, then fragment), in drawing order."""
+    return e["instance"].astype(np.int64) * 4 + e["fragment"]
+
+
+def _voxel_keys(coord: np.ndarray, fragment_ids: np.ndarray) -> np.ndarray:
+    """One int64 per (fragment, voxel): equal keys are the same voxel of the same object fragment."""
     v = np.clip(np.floor(coord), 0, VOXELS - 1).astype(np.int64)
-    return ((((instance.astype(np.int64) * 4 + fragment) * VOXELS + v[:, 0]) * VOXELS + v[:, 1]) * VOXELS
-            + v[:, 2])
+    return ((fragment_ids * VOXELS + v[:, 0]) * VOXELS + v[:, 1]) * VOXELS + v[:, 2]
 
 
 def pilarnet_event(seed: int, index: int, revision: str = "v2", points_per_event: int | None = None
@@ -455,7 +458,7 @@ def pilarnet_event(seed: int, index: int, revision: str = "v2", points_per_event
         raise DataError(f"revision {revision!r} is unknown; use one of {', '.join(CLUSTER_COLUMNS)}")
     e = _voxelised(generate_event(seed, index), seed, index, points_per_event)
     blip = e["segment"] == LOW_ENERGY
-    rank = np.where(blip, -1, e["instance"].astype(np.int64) * 4 + e["fragment"])
+    rank = np.where(blip, -1, _fragment_ids(e))
     order = np.argsort(rank, kind="stable")
     _, first, sizes = np.unique(rank[order], return_index=True, return_counts=True)
     coord, energy, segment, pid, instance = (e[k][order] for k in ("coord", "energy", "segment", "pid", "instance"))
