@@ -41,7 +41,7 @@ def failure_text(exc: BaseException, run_dir: Path, rank: int) -> str:
     """One line for the launcher: the first error pimm raised on purpose (a later one, e.g. while
     recording the failure on a full disk, is a consequence), else a full or read-only disk and
     the file it stopped, else the exception and where its traceback is."""
-    from pimm.launch.run_dir import os_error_reason, storage_error
+    from pimm.files import os_error_reason, storage_error
 
     chain, error = [], exc
     while error is not None and error not in chain:

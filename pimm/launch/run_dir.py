@@ -8,12 +8,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 
 from pimm.errors import LaunchError
+from pimm.files import os_error_reason
 from pimm.launch.run_lock import RunLock
 
 # directories open_run_dir made for a new run: removed again when writing it fails before any process starts
@@ -100,42 +100,6 @@ def cannot_write(plan, exc: OSError) -> str:
         return f"cannot write to the run directory {plan.run_dir}: {reason}; {fix}, then resume it again"
     exp_root = plan.run_dir.parent.parent
     return f"cannot create the run directory under {exp_root}: {reason}; choose a writable --paths.exp-root"
-
-
-def os_error_reason(exc: OSError) -> str:
-    """Why a write failed, for people: 'read-only file system', 'no space left on device', or for a
-    path through a regular file '<path> is a file, not a directory'."""
-    if exc.errno == errno.ENOTDIR and exc.filename:
-        path = Path(exc.filename)
-        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
-        if blocker is not None:
-            return f"{blocker} is a file, not a directory"
-    text = os.strerror(exc.errno) if exc.errno else str(exc)
-    return text[:1].lower() + text[1:]
-
-
-def storage_error(exc: BaseException) -> OSError | None:
-    """An OSError that says a disk cannot take more (full, over quota, read-only) in `exc`, its
-    causes, or the per-rank failures of a torch.distributed.checkpoint error (one that names its
-    file first); None when there is none."""
-    found: list[OSError] = []
-    seen: set[int] = set()
-    todo: list = [exc]
-    while todo:
-        error = todo.pop()
-        if not isinstance(error, BaseException) or id(error) in seen:
-            continue
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in _STORAGE_ERRNOS:
-            found.append(error)
-        todo += [error.__context__, error.__cause__]
-        failures = getattr(error, "failures", None)  # DCP's CheckpointException: rank -> (error, traceback)
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-    return next((e for e in found if e.filename), found[0] if found else None)
-
-
-_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def _remove_new_run(run_dir: Path, made: list[Path] | None) -> None:
