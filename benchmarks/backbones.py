@@ -5,6 +5,7 @@ on the same validation events with the task's meter (pimm's SegmentationMeter):
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/backbones.py [--seconds 120] [--data DIR]
                                                                [--events 2400 --val-events 400]
+                                                               [--repeats 3 --wait-quiet 120]
 
 What is held equal: the training events (pimm's LArTPCDataset with the demo's augmentation, in
 the same seeded order, packed by `collate_events`), the batch size (the first config's), the
@@ -15,7 +16,9 @@ of steps a model reaches in the budget is what is being measured, so it cannot b
 The clock runs over data loading, forward, backward and the optimizer step; the first
 `--warmup-steps` steps are trained but left out of the events/s (allocator and thread-pool
 warm-up). Without `--data`, train and validation files are generated as `make demo` does
-(seeds 1 and 2) in a temporary directory.
+(seeds 1 and 2) in a temporary directory. The steps a model reaches in its budget depend on the
+machine's load, and so does its mIoU: `--repeats N` trains both models N times (ABBA order) and
+prints medians with their spread [lowest..highest].
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import time
 from pathlib import Path
 
 import torch
+from _timing import QuietGate, Spread, abba, add_arguments
 
-from pimm.cli.paths import config_roots
 from pimm.config import load_config, resolve_config_path
+from pimm.config.paths import config_roots
 from pimm.data.collate import collate_events
 from pimm.data.dataset import build_dataset
 from pimm.engine.optim import build_optimizer
@@ -50,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help="training events per step (default: the baseline config's)")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps left out of train events/s (default 3)")
     p.add_argument("--seed", type=int, default=0, help="model initialisation and event order seed (default 0)")
+    add_arguments(p, repeats=1, what="trainings of each model")
     args = p.parse_args(argv)
     if args.seconds <= 0 or args.events < 1 or args.val_events < 1:
         p.error("--seconds, --events and --val-events must be positive")
@@ -150,18 +155,35 @@ def ensure_data(args: argparse.Namespace, tmp: Path) -> Path:
     return tmp
 
 
+SUMMARISED = ("train_events_per_s", "steps", "train_events", "eval_events_per_s", "loss", "miou")
+
+
+def summarise(runs: list[dict]) -> dict:
+    """One model's repeated runs: a Spread of every measured number, the per-class IoU's medians."""
+    first = runs[0]
+    return {"type": first["type"], "params": first["params"], "names": first["names"],
+            **{key: Spread.of([r[key] for r in runs]) for key in SUMMARISED},
+            "iou": [Spread.of([r["iou"][k] for r in runs]).median for k in range(len(first["iou"]))]}
+
+
 def table(rows: list[dict]) -> str:
-    head = f"{'model':<18} {'params':>10} {'train ev/s':>11} {'steps':>7} {'train events':>13} " \
-           f"{'eval ev/s':>10} {'val loss':>9} {'val mIoU':>9}"
+    """The two summarised models side by side: medians, and their spread [lowest..highest] with repeats."""
+    columns = (("train ev/s", "train_events_per_s", ".1f"), ("steps", "steps", ".0f"),
+               ("train events", "train_events", ".0f"), ("eval ev/s", "eval_events_per_s", ".1f"),
+               ("val loss", "loss", ".4f"), ("val mIoU", "miou", ".4f"))
+    cells = [[r[key].format(spec) for _, key, spec in columns] for r in rows]
+    widths = [max(len(title), *(len(c[i]) for c in cells)) for i, (title, _, _) in enumerate(columns)]
+    head = f"{'model':<18} {'params':>10} " + " ".join(f"{t:>{w}}" for (t, _, _), w in zip(columns, widths))
     lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['type']:<18} {r['params']:>10,} {r['train_events_per_s']:>11.1f} {r['steps']:>7} "
-                     f"{r['train_events']:>13} {r['eval_events_per_s']:>10.1f} {r['loss']:>9.4f} {r['miou']:>9.4f}")
+    for r, c in zip(rows, cells):
+        lines.append(f"{r['type']:<18} {r['params']:>10,} " + " ".join(f"{v:>{w}}" for v, w in zip(c, widths)))
     base, cand = rows
-    lines.append(f"ratio {cand['type']}/{base['type']}: val mIoU {cand['miou'] / base['miou']:.3f}, "
-                 f"train events/s {cand['train_events_per_s'] / base['train_events_per_s']:.3f}, "
-                 f"eval events/s {cand['eval_events_per_s'] / base['eval_events_per_s']:.3f}")
-    lines.append("per-class val IoU (" + ", ".join(rows[0]["names"]) + "):")
+    lines.append(f"ratio {cand['type']}/{base['type']}: val mIoU "
+                 f"{cand['miou'].median / base['miou'].median:.3f}, train events/s "
+                 f"{cand['train_events_per_s'].median / base['train_events_per_s'].median:.3f}, "
+                 f"eval events/s {cand['eval_events_per_s'].median / base['eval_events_per_s'].median:.3f} "
+                 "(of the medians)")
+    lines.append("per-class val IoU (" + ", ".join(rows[0]["names"]) + "), medians:")
     for r in rows:
         lines.append(f"  {r['type']:<16} " + " ".join(f"{v:.3f}" for v in r["iou"]))
     return "\n".join(lines)
@@ -173,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     batch_size = args.batch_size or int(configs[0]["batch_size"])
     print(f"backbones benchmark: {args.seconds:g}s of training each, batch {batch_size}, "
           f"{torch.get_num_threads()} torch threads, configs {' vs '.join(args.configs)}", flush=True)
-    rows = []
+    runs: dict[str, list[dict]] = {name: [] for name in args.configs}
+    gate = QuietGate.from_args(args, say=lambda line: print(line, flush=True))
     with tempfile.TemporaryDirectory(prefix="pimm-backbones-") as tmp:
         data = ensure_data(args, Path(tmp))
-        for name, cfg in zip(args.configs, configs):
+        for rep, name in abba(args.configs, args.repeats):
+            cfg = configs[args.configs.index(name)]
+            gate.before(f"repeat {rep + 1}/{args.repeats} {name}")
             train_cfg = {**cfg["data"]["train"], "path": str(data / "train.h5")}
             val_cfg = {**(cfg["data"].get("val") or {"type": "LArTPCDataset"}), "path": str(data / "val.h5")}
             train_set, val_set = build_dataset(train_cfg, seed=args.seed), build_dataset(val_cfg, seed=args.seed)
@@ -185,8 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             row = {"config": name, "type": cfg["model"]["type"], "names": cfg["data"]["names"],
                    **{k: v for k, v in run.items() if k not in ("model", "task")}, **metrics}
             print(f"  {name}: {row['steps']} steps in {row['train_s']:.0f}s, val mIoU {row['miou']:.4f}", flush=True)
-            rows.append(row)
-    print(table(rows))
+            runs[name].append(row)
+    print(table([summarise(runs[name]) for name in args.configs]))
+    if gate.summary():
+        print(gate.summary())
     return 0
 
 

@@ -2,10 +2,12 @@
 same events in the same run, and the cost of writing predictions.
 
     python benchmarks/evaluate.py [--config demo/semseg] [--events 400] [--ranks 1,2] [--repeats 3]
+                                  [--wait-quiet 120]
 
 For each rank count, torchrun starts that many gloo processes; each builds the config's model
 (fresh weights: speed does not depend on them), its task and strategy, and evaluates the same
-synthetic file three ways, interleaved `--repeats` times (the best time of each counts):
+synthetic file three ways, interleaved `--repeats` times in ABBA order (the median time of each
+counts, printed with the spread [lowest..highest] of the repeats):
 
     pimm         pimm.engine.evaluation.evaluate_events: the loop `pimm test` and validation run
     hand         model(coord, feat, offset), cross-entropy, argmax and a bincount confusion, then one
@@ -14,7 +16,9 @@ synthetic file three ways, interleaved `--repeats` times (the best time of each 
                  merge into one file (what `pimm test --save-predictions` adds)
 
 Prints events/s per column and the ratios pimm / hand (goal >= 0.95) and the predictions' added
-time as a fraction of the evaluation's (goal <= 0.15). The slowest rank's time counts.
+time as a fraction of the evaluation's (goal <= 0.15), both as the median of one repeat's ratio.
+The slowest rank's time counts. With `--wait-quiet`, rank 0 waits for a quiet machine before each
+loop while the other ranks wait for it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _timing import QuietGate, Spread, abba, add_arguments
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -36,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--events", type=int, default=400, help="synthetic events evaluated (default 400)")
     p.add_argument("--batch", type=int, default=8, help="events per rank and batch (default 8)")
     p.add_argument("--ranks", default="1,2", help="rank counts, comma-separated (default 1,2)")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the three loops (default 3)")
+    add_arguments(p, repeats=3, what="runs of each of the three loops per rank count")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # a rank: the data file
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)  # a rank: where rank 0 writes its JSON line
     return p.parse_args(argv)
@@ -52,8 +58,8 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
-    from pimm.cli.paths import config_roots
     from pimm.config import load_config, resolve_config_path
+    from pimm.config.paths import config_roots
     from pimm.data.collate import collate_events
     from pimm.data.dataset import build_dataset
     from pimm.data.predictions import merge_predictions
@@ -106,18 +112,22 @@ def rank_main(args: argparse.Namespace) -> None:
             merge_predictions([parts / f"part{r}.h5" for r in range(env.world_size)], merged)
         barrier()
 
-    best = {"pimm": float("inf"), "hand": float("inf"), "predictions": float("inf")}
     loops = {"pimm": pimm_loop, "hand": hand_loop, "predictions": predictions_loop}
+    seconds: dict[str, list[float]] = {name: [] for name in loops}
+    gate = QuietGate.from_args(args, say=lambda line: print(line, flush=True))
     hand_loop()  # warm-up: first-touch allocations and the HDF5 page cache
-    for _ in range(args.repeats):
-        for name, loop in loops.items():
-            barrier()
-            start = time.perf_counter()
-            loop()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            best[name] = min(best[name], float(all_reduce_max(elapsed)))  # the slowest rank's time
+    for rep, name in abba(list(loops), args.repeats):
+        if env.is_main:
+            gate.before(f"{env.world_size} rank(s) repeat {rep + 1}/{args.repeats} {name}")
+        barrier()
+        start = time.perf_counter()
+        loops[name]()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        seconds[name].append(float(all_reduce_max(elapsed)))  # the slowest rank's time
     if env.is_main:
-        args.out.write_text(json.dumps({"world_size": env.world_size, "events": len(dataset), **best}) + "\n")
+        result = {"world_size": env.world_size, "events": len(dataset), "seconds": seconds,
+                  "quiet_waits_s": [w.seconds for w in gate.waits]}
+        args.out.write_text(json.dumps(result) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -137,16 +147,23 @@ def main(argv: list[str] | None = None) -> None:
             argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
                     str(world_size), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
                     str(Path(__file__).resolve()), "--worker", str(data), "--out", str(out), "--config", args.config,
-                    "--batch", str(args.batch), "--repeats", str(args.repeats)]
+                    "--batch", str(args.batch), "--repeats", str(args.repeats), "--wait-quiet", str(args.wait_quiet),
+                    "--quiet-cores", str(args.quiet_cores)]
             subprocess.run(argv, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
             rows.append(json.loads(out.read_text()))
-    print(f"{'ranks':>5} {'events':>6} {'pimm ev/s':>10} {'hand ev/s':>10} {'pred ev/s':>10} "
-          f"{'pimm/hand':>9} {'predictions added':>17}")
+    waited = sum(sum(r["quiet_waits_s"]) for r in rows)
+    print(f"median of {args.repeats} repeats [lowest..highest]; pimm/hand and predictions added: each repeat's "
+          "own ratio" + (f"; waited {waited:.0f}s in all for a quiet machine" if args.wait_quiet > 0 else ""))
+    w = 22 if args.repeats > 1 else 10
+    print(f"{'ranks':>5} {'events':>6} {'pimm ev/s':>{w}} {'hand ev/s':>{w}} {'pred ev/s':>{w}} "
+          f"{'pimm/hand':>{w}} {'predictions added':>{w + 4}}")
     for r in rows:
-        rate = {k: r["events"] / r[k] for k in ("pimm", "hand", "predictions")}
-        print(f"{r['world_size']:>5} {r['events']:>6} {rate['pimm']:>10.1f} {rate['hand']:>10.1f} "
-              f"{rate['predictions']:>10.1f} {rate['pimm'] / rate['hand']:>9.3f} "
-              f"{(r['predictions'] - r['pimm']) / r['pimm']:>16.1%}")
+        t = r["seconds"]
+        rate = {k: Spread.of([r["events"] / s for s in t[k]]) for k in ("pimm", "hand", "predictions")}
+        ratio = Spread.of([h / p for p, h in zip(t["pimm"], t["hand"])])  # rates: pimm/hand = hand time / pimm time
+        added = Spread.of([(pr - p) / p for p, pr in zip(t["pimm"], t["predictions"])])
+        print(f"{r['world_size']:>5} {r['events']:>6} {rate['pimm'].format():>{w}} {rate['hand'].format():>{w}} "
+              f"{rate['predictions'].format():>{w}} {ratio.format('.3f'):>{w}} {added.format('.1%'):>{w + 4}}")
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from pimm.cli.paths import config_roots
 from pimm.config import apply_overrides, load_config, parse_overrides, resolve_config_path
+from pimm.config.paths import config_roots
 from pimm.data.collate import collate_events
 from pimm.data.dataset import build_dataset
 from pimm.models import build_model

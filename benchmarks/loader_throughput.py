@@ -19,8 +19,8 @@ from types import SimpleNamespace
 
 import torch
 
-from pimm.cli.paths import config_roots
 from pimm.config import apply_overrides, load_config, parse_overrides, resolve_config_path
+from pimm.config.paths import config_roots
 from pimm.data.dataset import build_dataset
 from pimm.data.sampler import GlobalBatchSampler
 from pimm.distributed.batch import plan_batches

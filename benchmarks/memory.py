@@ -433,6 +433,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="one rank of `pimm bench memory` (started by torchrun)")
     parser.add_argument("--worker", type=Path, required=True, help="the run's spec.json, written by the driver")
     worker(parser.parse_args().worker)
-    from pimm.engine.worker import exit_now
+    from pimm.engine.failure import exit_now
 
-    exit_now(0)  # no interpreter teardown: it can hang on gloo's threads (see pimm.engine.worker.exit_now)
+    exit_now(0)  # no interpreter teardown: it can hang on gloo's threads (see pimm.engine.failure.exit_now)

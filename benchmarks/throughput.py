@@ -38,7 +38,6 @@ import json
 import math
 import os
 import re
-import resource
 import shlex
 import signal
 import statistics
@@ -50,6 +49,7 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+from _timing import OtherLoad, QuietGate, Spread, abba, add_arguments
 
 from pimm.errors import PimmError
 
@@ -81,8 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="steps left out of the measurement (default 20)")
     p.add_argument("--log-every", type=int, default=10,
                    help="pimm's log_every; --warmup and --steps must be multiples of it (default 10)")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="runs of each trainer per world size, in ABBA order (default 2)")
     p.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes (default 1,2)")
     p.add_argument("--threads", default="auto",
                    help="OMP_NUM_THREADS of every run: a number, or auto = cores // world size (default auto)")
@@ -90,11 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to both trainers and the loader (repeatable), "
                    "e.g. --set model.channels=16")
-    p.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
-                   help="before each run, wait up to this long for other processes to use < 0.25 cores (default 0)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before one run is killed (default 900)")
     p.add_argument("--out", type=Path, help="also write the results as JSON to this file")
     p.add_argument("--keep", action="store_true", help="keep the run directories (printed) instead of deleting them")
+    add_arguments(p, repeats=2, what="runs of each trainer per world size")
     args = p.parse_args(argv)
     try:
         args.world_sizes = [int(w) for w in args.world_sizes.split(",") if w.strip()]
@@ -107,8 +104,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"({args.log_every}): pimm's progress lines mark the measured interval")
     if not 0 < args.warmup < args.steps:
         p.error(f"need 0 < --warmup < --steps, got warmup={args.warmup} steps={args.steps}")
-    if args.repeats < 1:
-        p.error("--repeats must be >= 1")
     if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
         p.error(f"--threads must be a positive integer or auto, got {args.threads!r}")
     for token in args.overrides:
@@ -140,8 +135,8 @@ def ensure_data(args: argparse.Namespace) -> None:
 
 def resolved_config(args: argparse.Namespace) -> dict:
     """The config as both trainers see it (with the data path and --set overrides)."""
-    from pimm.cli.paths import config_roots
     from pimm.config import apply_overrides, load_config, parse_overrides, resolve_config_path
+    from pimm.config.paths import config_roots
 
     cfg = load_config(resolve_config_path(args.config, config_roots()))
     return apply_overrides(cfg, parse_overrides(common_overrides(args)))
@@ -185,53 +180,6 @@ def run(argv: list[str], env: dict[str, str], log_path: Path, timeout: float) ->
         tail = "\n".join(text.splitlines()[-30:])
         raise BenchError(f"exit status {code}: {shlex.join(argv)}\n--- last lines of {log_path} ---\n{tail}")
     return text
-
-
-def _machine_busy_s() -> float | None:
-    """CPU seconds all processes on the machine have used since boot (Linux /proc/stat), else None."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return None
-    # user nice system idle iowait irq softirq steal ...: everything but idle and iowait
-    busy = sum(fields[:3]) + sum(fields[5:8])
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
-    """CPU seconds of this process and of its finished descendants (runs, their ranks and loader workers)."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-class OtherLoad:
-    """Cores used on average by processes other than the benchmark's own while a run lasts.
-
-    A noise indicator for shared machines: anything well above 0 means the run competed with
-    someone else's work for the CPUs.
-    """
-
-    def __enter__(self) -> OtherLoad:
-        self.cores: float | None = None
-        self._start = (time.perf_counter(), _machine_busy_s(), _own_cpu_s())
-        return self
-
-    def __exit__(self, *exc) -> None:
-        t0, busy0, own0 = self._start
-        busy1, own1, wall = _machine_busy_s(), _own_cpu_s(), time.perf_counter() - t0
-        if busy0 is not None and busy1 is not None and wall > 0:
-            self.cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
-
-
-def wait_until_quiet(limit_s: float, threshold: float = 0.25, probe_s: float = 2.0) -> float | None:
-    """Wait (at most `limit_s`) until other processes use under `threshold` cores; returns the last probe."""
-    deadline = time.perf_counter() + limit_s
-    while True:
-        with OtherLoad() as other:
-            time.sleep(probe_s)
-        if other.cores is None or other.cores < threshold or time.perf_counter() >= deadline:
-            return other.cores
 
 
 def last_json_line(text: str) -> dict:
@@ -408,8 +356,11 @@ def table(rows: list[dict]) -> str:
               "pimm (own windows)", "loader events/s per rank", "consumption events/s per rank", "loader headroom"]
     lines = []
     for r in rows:
+        pimm_rate, hand_rate, pairs = (Spread.of(r[k]) for k in ("pimm_runs_events_per_s", "hand_runs_events_per_s",
+                                                                  "pair_ratios"))
+        ratio_spread = "" if pairs.n == 1 else f" [{pairs.low:.3f}..{pairs.high:.3f}]"
         lines.append([
-            str(r["world_size"]), fmt(r["pimm_events_per_s"]), fmt(r["hand_events_per_s"]), fmt(r["ratio"], 3),
+            str(r["world_size"]), pimm_rate.format(), hand_rate.format(), fmt(r["ratio"], 3) + ratio_spread,
             fmt(r["ratio_per_point"], 3), fmt(r["pimm_events_per_s_windows"]), fmt(r["loader_events_per_s_per_rank"]),
             fmt(r["consumption_events_per_s_per_rank"]), fmt(r["loader_headroom"], 1) + "x",
         ])
@@ -449,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     tmp = Path(tempfile.mkdtemp(prefix="pimm-bench-"))
     rows: list[dict] = []
+    gate = QuietGate.from_args(args, say=lambda line: print(line, flush=True))
     try:
         for world in args.world_sizes:
             plan = plan_batches(cfg, world)
@@ -460,26 +412,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  note: {args.steps} steps span {epochs} epochs of {steps_per_epoch} steps; "
                       "epoch boundaries fall inside the measurement", flush=True)
             pimm_runs, hand_runs = [], []
-            for rep in range(args.repeats):
-                # ABBA order (pimm, hand, hand, pimm, ...): a drift in machine speed favours neither side
-                for impl in ("pimm", "hand") if rep % 2 == 0 else ("hand", "pimm"):
-                    if args.wait_quiet > 0:
-                        wait_until_quiet(args.wait_quiet)
-                    t = time.perf_counter()
-                    with OtherLoad() as other:
-                        if impl == "pimm":
-                            res = run_pimm(args, world, rep, tmp, epochs)
-                        else:
-                            res = run_hand(args, world, rep, tmp)
-                    res["other_load_cores"] = other.cores
-                    res["run_seconds"] = time.perf_counter() - t
-                    (pimm_runs if impl == "pimm" else hand_runs).append(res)
-                    print(f"  world {world} repeat {rep + 1}/{args.repeats} {impl:>4}: "
-                          f"{res['events_per_s']:7.1f} events/s over {res['seconds']:.2f}s "
-                          f"(run took {res['run_seconds']:.1f}s; other processes used "
-                          f"{fmt(other.cores, 2)} cores)", flush=True)
-            if args.wait_quiet > 0:
-                wait_until_quiet(args.wait_quiet)
+            for rep, impl in abba(("pimm", "hand"), args.repeats):
+                label = f"world {world} repeat {rep + 1}/{args.repeats} {impl:>4}"
+                gate.before(label)
+                t = time.perf_counter()
+                with OtherLoad() as other:
+                    res = run_pimm(args, world, rep, tmp, epochs) if impl == "pimm" else run_hand(args, world, rep, tmp)
+                res["other_load_cores"] = other.cores
+                res["run_seconds"] = time.perf_counter() - t
+                (pimm_runs if impl == "pimm" else hand_runs).append(res)
+                print(f"  {label}: {res['events_per_s']:7.1f} events/s over {res['seconds']:.2f}s "
+                      f"(run took {res['run_seconds']:.1f}s; other processes used "
+                      f"{fmt(other.cores, 2)} cores)", flush=True)
+            gate.before(f"world {world} loader")
             loader = run_loader(args, world, tmp)
             print(f"  world {world} loader: {loader['events_per_s_per_rank']:.1f} events/s per rank "
                   f"({plan.workers_per_rank} workers/rank)", flush=True)
@@ -488,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
             hand_rate = statistics.median(r["events_per_s"] for r in hand_runs)
             consumption = pimm_rate / world
             ratio = pimm_rate / hand_rate
+            # each repeat's pair ran back to back: its own ratio shows how far one pair can be trusted
+            pair_ratios = [p["events_per_s"] / h["events_per_s"] for p, h in zip(pimm_runs, hand_runs)]
             rows.append({
                 "world_size": world,
                 "global_batch": plan.global_batch_size,
@@ -505,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
                 "meets_target": ratio >= TARGET_RATIO[args.layout],
                 "pimm_runs_events_per_s": [r["events_per_s"] for r in pimm_runs],
                 "hand_runs_events_per_s": [r["events_per_s"] for r in hand_runs],
+                "pimm_events_per_s_spread": Spread.of([r["events_per_s"] for r in pimm_runs]).as_dict(),
+                "hand_events_per_s_spread": Spread.of([r["events_per_s"] for r in hand_runs]).as_dict(),
+                "pair_ratios": pair_ratios,
+                "pair_ratio_spread": Spread.of(pair_ratios).as_dict(),
                 "max_other_load_cores": max((r["other_load_cores"] or 0.0) for r in pimm_runs + hand_runs),
                 "runs": {"pimm": pimm_runs, "hand": hand_runs, "loader": loader},
             })
@@ -529,7 +480,10 @@ def main(argv: list[str] | None = None) -> int:
                   "the machine was shared and the numbers are noisy (rerun with --wait-quiet 120, or raise --repeats)")
     print("pimm events/s: wall clock between rank 0's progress lines at steps "
           f"{args.warmup} and {args.steps}; 'own windows': pimm's metrics.jsonl rate (logging time left out). "
-          "Medians over repeats.")
+          f"Medians over {args.repeats} repeats, [lowest..highest] beside them; the ratio is the ratio of the "
+          "medians, its [..] the lowest and highest ratio of one repeat's pair.")
+    if gate.summary():
+        print(gate.summary())
     print(f"total time {elapsed:.0f}s")
 
     result = {
@@ -541,10 +495,11 @@ def main(argv: list[str] | None = None) -> int:
             "omp_num_threads": {str(w): threads_for(args, w) for w in args.world_sizes},
             "loader_batches": args.loader_batches, "target_ratio": TARGET_RATIO[args.layout],
             "layout": args.layout, "points_per_event": args.points_per_event if args.layout == "pilarnet" else None,
-            "wait_quiet_s": args.wait_quiet,
+            "wait_quiet_s": args.wait_quiet, "quiet_cores": args.quiet_cores,
         },
         "results": rows,
         "elapsed_s": elapsed,
+        "quiet_waits_s": [w.seconds for w in gate.waits],
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,15 @@ IGNORED_COLOUR, CORRECT_COLOUR, WRONG_COLOUR = "#d0d0d0", "#b0b0b0", "#e4002b"
 PROJECTIONS = ((0, 1), (0, 2), (1, 2))  # xy, xz, yz
 AXES = "xyz"
 HTML_DECIMALS = 2  # coordinates in the HTML page: 1/100 of a voxel is below any detector's resolution
+# coordinates as stored: integer voxel indices in PILArNet-M (3 mm voxels in the PILArNet publications),
+# ~3 mm units in pimm's synthetic event files; the readers and the models keep them in these units
+COORD_UNIT = "voxel"
+DISPLAY_DIR = "display"  # pimm show's default folder, beside the file it draws
+# each 3D scene of the HTML page is a square of this many pixels (html_scene's camera assumes a square),
+# at most HTML_PAGE_PX wide together: 640 for a data file's truth, 440 each for truth | prediction | wrong
+HTML_SCENE_PX, HTML_PAGE_PX = 640, 1320
+HTML_SPACING = 0.01  # between the scenes, as a fraction of the page's width
+HTML_FOVY = np.pi / 4  # plotly's 3D field of view (vertical; as wide as that in a square scene)
 
 
 class DisplayError(PimmError):
@@ -38,6 +47,11 @@ class EventView:
     title: str
     truth: np.ndarray | None = None
     pred: np.ndarray | None = None
+    unit: str = COORD_UNIT
+
+    def axis_title(self, axis: int) -> str:
+        """'x (voxel)': the axis and the coordinates' unit."""
+        return f"{AXES[axis]} ({self.unit})"
 
     def labelled(self) -> np.ndarray:
         """Points with a truth class (not ignored)."""
@@ -86,6 +100,40 @@ def _groups(key: np.ndarray, class_names: list[str]) -> list[tuple[str, str, np.
     return out
 
 
+def scene_box(coord: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(low, high) corners of the box an event is drawn in, one scale on every axis: the points'
+    extent padded by 4% of its longest side, and at least 10% of that side along every axis (a flat
+    or straight event stays visible). The same box in the PNG and the HTML page."""
+    coord = np.asarray(coord, dtype=np.float64).reshape(-1, 3)
+    if not len(coord):
+        return np.zeros(3), np.ones(3)
+    low, high = coord.min(axis=0), coord.max(axis=0)
+    longest = max(float((high - low).max()), 1.0)
+    half = np.maximum((high - low) / 2, 0.05 * longest) + 0.04 * longest
+    centre = (low + high) / 2
+    return centre - half, centre + half
+
+
+def default_output(path: str | Path, event_id: int, split: str, html: bool) -> Path:
+    """Where `pimm show` writes without --out: `display/<file stem>-event_<ID>.png` (or .html) in the
+    folder of the file it draws (a prediction file's evaluation folder, say), or
+    `display/<split>-event_<ID>.png` inside a directory of PILArNet-M shards."""
+    path = Path(path)
+    suffix = "html" if html else "png"
+    if path.is_dir():
+        return path / DISPLAY_DIR / f"{split}-event_{event_id}.{suffix}"
+    return path.parent / DISPLAY_DIR / f"{path.stem}-event_{event_id}.{suffix}"
+
+
+def make_output_folder(out: Path) -> None:
+    """Create the folder of a default output path, or DisplayError saying why not and what to do."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DisplayError(f"cannot create {out.parent} for the picture: {exc.strerror or exc}; "
+                           "give --out PATH where you can write") from exc
+
+
 def _marker_size(n: int) -> float:
     """Scatter marker area (points^2): readable for a few hundred points, not a blob at 100k."""
     return float(np.clip(6000.0 / max(n, 1), 0.3, 8.0))
@@ -111,7 +159,7 @@ def draw_png(view: EventView, out: str | Path) -> Path:
     single = len(columns) == 1
     shape = (2, 2) if single else (4, len(columns))
     fig = plt.figure(figsize=(11, 10.5) if single else (4.6 * len(columns), 17), layout="constrained")
-    span = np.ptp(coord, axis=0) if len(coord) else np.ones(3)
+    low, high = scene_box(coord)
     legend: dict[str, str] = {}
     for col, (header, key) in enumerate(columns):
         groups = _groups(key, view.class_names)
@@ -124,8 +172,10 @@ def draw_png(view: EventView, out: str | Path) -> Path:
                     c = coord[mask]
                     ax.scatter(c[:, 0], c[:, 1], c[:, 2], s=size * factor, c=colour, linewidths=0,
                                depthshade=False)
-                ax.set_box_aspect(np.maximum(span, span.max() / 20 + 1e-6))
-                ax.set(xlabel="x", ylabel="y", zlabel="z")
+                # one scale on every axis: limits and box sides both from scene_box
+                ax.set(xlim=(low[0], high[0]), ylim=(low[1], high[1]), zlim=(low[2], high[2]))
+                ax.set_box_aspect(high - low)
+                ax.set(xlabel=view.axis_title(0), ylabel=view.axis_title(1), zlabel=view.axis_title(2))
                 ax.set_title(f"{header}: 3D")
             else:
                 i, j = PROJECTIONS[row - 1]
@@ -133,7 +183,7 @@ def draw_png(view: EventView, out: str | Path) -> Path:
                 for _, colour, mask, factor in groups:
                     ax.scatter(coord[mask, i], coord[mask, j], s=size * factor, c=colour, linewidths=0)
                 ax.set_aspect("equal", adjustable="datalim")
-                ax.set(xlabel=AXES[i], ylabel=AXES[j])
+                ax.set(xlabel=view.axis_title(i), ylabel=view.axis_title(j))
                 ax.set_title(f"{header}: {AXES[i]}{AXES[j]}")
     # every class of the data set, in class order, then the marks that are not classes
     names = [*view.class_names, *(n for n in ("ignored", "correct", "wrong") if n in legend)]
@@ -146,7 +196,8 @@ def draw_png(view: EventView, out: str | Path) -> Path:
         fig.savefig(tmp, dpi=100)
         tmp.replace(out)  # never a half-written PNG under the final name
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        if tmp.exists():  # not unlink(missing_ok): under a file in the way it raises NotADirectoryError
+            tmp.unlink()
         raise DisplayError(f"cannot write {out}: {exc}; choose a writable --out path") from exc
     finally:
         plt.close(fig)
@@ -154,6 +205,24 @@ def draw_png(view: EventView, out: str | Path) -> Path:
 
 
 # ----------------------------------------------------------------------------- HTML
+
+
+def html_scene(view: EventView) -> dict:
+    """The layout of one square 3D scene of the HTML page: scene_box on every axis at one scale (its
+    longest side 1), axis titles with the unit, and a camera far enough away to see the whole box.
+    (Not aspectmode "data": plotly scales that box to a geometric mean side of 1, so a long track
+    reaches far outside the default camera's view.)"""
+    low, high = scene_box(view.coord)
+    ratio = (high - low) / (high - low).max()
+    # plotly draws the box as ratio/2 either side of the scene centre, and the camera looks at the
+    # centre: the box's bounding sphere fits the field of view from this distance (8% to spare)
+    radius = 0.5 * float(np.linalg.norm(ratio))
+    distance = 1.08 * radius / np.sin(HTML_FOVY / 2)
+    eye = distance * np.array([1.0, 1.0, 0.8]) / np.linalg.norm([1.0, 1.0, 0.8])
+    axis = {f"{AXES[i]}axis": {"range": [float(low[i]), float(high[i])], "autorange": False,
+                               "title": {"text": view.axis_title(i)}} for i in range(3)}
+    return {"aspectmode": "manual", "aspectratio": dict(zip(AXES, map(float, ratio))),
+            "camera": {"eye": dict(zip(AXES, map(float, eye))), "center": {"x": 0.0, "y": 0.0, "z": 0.0}}, **axis}
 
 
 def require_plotly() -> None:
@@ -177,7 +246,7 @@ def write_html(view: EventView, out: str | Path) -> Path:
     # plain lists, not numpy arrays: plotly would encode arrays in base64, hiding the numbers
     coord = np.round(np.asarray(view.coord, dtype=np.float64), HTML_DECIMALS)
     fig = make_subplots(rows=1, cols=len(columns), specs=[[{"type": "scene"}] * len(columns)],
-                        subplot_titles=[header for header, _ in columns], horizontal_spacing=0.01)
+                        subplot_titles=[header for header, _ in columns], horizontal_spacing=HTML_SPACING)
     size = float(np.clip(_marker_size(len(coord)) ** 0.5, 1.0, 4.0))
     shown: set[str] = set()
     for col, (_, key) in enumerate(columns):
@@ -188,15 +257,23 @@ def write_html(view: EventView, out: str | Path) -> Path:
                                        marker={"size": size * factor ** 0.5, "color": colour}),
                           row=1, col=col + 1)
             shown.add(name)
-    scene = {"aspectmode": "data", "xaxis_title": "x", "yaxis_title": "y", "zaxis_title": "z"}
-    fig.update_layout(title=view.title, **{f"scene{k + 1 if k else ''}": scene for k in range(len(columns))},
-                      legend={"itemsizing": "constant"}, margin={"l": 0, "r": 0, "b": 0, "t": 60})
+    # a fixed size: every scene a square, which html_scene's camera distance assumes
+    margin = {"l": 0, "r": 0, "b": 50, "t": 80}
+    side = min(HTML_SCENE_PX, HTML_PAGE_PX // len(columns))
+    width = round(side * len(columns) / (1 - HTML_SPACING * (len(columns) - 1)))
+    scene = html_scene(view)
+    fig.update_layout(title={"text": view.title.replace("\n", "<br>")}, width=width,
+                      height=side + margin["t"] + margin["b"], margin=margin,
+                      **{f"scene{k + 1 if k else ''}": scene for k in range(len(columns))},
+                      legend={"itemsizing": "constant", "orientation": "h", "x": 0.5, "xanchor": "center",
+                              "y": 0, "yanchor": "top"})
     tmp = out.with_name(f".{out.name}.tmp.html")
     try:
         fig.write_html(tmp, include_plotlyjs=True, full_html=True)
         tmp.replace(out)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        if tmp.exists():  # not unlink(missing_ok): under a file in the way it raises NotADirectoryError
+            tmp.unlink()
         raise DisplayError(f"cannot write {out}: {exc}; choose a writable --out path") from exc
     return out
 

@@ -39,6 +39,30 @@ def require_slurm_cluster() -> None:
     pytest.skip(f"needs a Slurm cluster: {SLURM_HOWTO}")
 
 
+SLURM_TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+                  "BOOT_FAIL", "DEADLINE"}
+
+
+def slurm_job_state(job: int) -> dict:
+    """`scontrol show job JOB` as a dict (JobState, ExitCode, NodeList, ...)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", str(job)], capture_output=True, text=True, timeout=30,
+                         check=False).stdout
+    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+
+def wait_for_slurm_jobs(jobs: list[int], timeout: float = 300) -> list[dict]:
+    """The final states of `jobs` once every one has ended; cancels exactly these jobs (by id) and fails
+    if they have not ended within `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        states = [slurm_job_state(j) for j in jobs]
+        if all(s.get("JobState") in SLURM_TERMINAL for s in states):
+            return states
+        time.sleep(0.25)
+    subprocess.run(["scancel", *map(str, jobs)], check=False)
+    raise AssertionError(f"Slurm jobs {jobs} did not end within {timeout} s: {[slurm_job_state(j) for j in jobs]}")
+
+
 @pytest.fixture
 def free_port() -> int:
     with socket.socket() as s:
@@ -282,22 +306,52 @@ def start_launch(exp, tiny_data, nproc, *overrides, name="run", extra=()) -> sub
                             start_new_session=True)
 
 
-def processes_of(run_dir: Path) -> list[int]:
-    """Every live process whose command line names `run_dir` or its run name: launcher, torchrun,
-    ranks and their (forked) loader workers."""
-    needles = (str(run_dir).encode(), f"--run.name {run_dir.name} ".encode())
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+def _process_table() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, session id, state letter) of every process, from /proc/PID/stat."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-            state = next((ln for ln in (entry / "status").read_text().splitlines() if ln.startswith("State:")), "")
-        except OSError:
-            continue
-        if "Z" not in state and any(n in cmdline for n in needles):
-            found.append(int(entry.name))
-    return found
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        table[int(entry.name)] = (int(fields[1]), int(fields[3]), fields[0])
+    return table
+
+
+_SESSIONS: dict[int, set[int]] = {}  # launcher pid -> the session ids of its processes seen so far
+
+
+def processes_of(proc: subprocess.Popen) -> list[int]:
+    """Every live process of the launch `proc` (started in a session of its own, as start_launch does):
+    the launcher's session (launcher, torchrun) and every session its descendants opened (torch starts
+    each rank in one of its own; loader workers share their rank's; wandb-core opens its own). Found by
+    process, parent and session ids, never by command lines or run names, so the processes of another
+    test session on the same machine are never touched. The sessions are remembered across calls: a
+    rank whose launcher was killed is found as long as one call saw it."""
+    sessions = _SESSIONS.setdefault(proc.pid, {proc.pid})
+    sessions.discard(os.getsid(0))  # never the test session's own
+    table = _process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    while True:
+        members = [pid for pid, (_, sid, _) in table.items() if sid in sessions]
+        # the launcher's own pid only while it is ours: once reaped, the number may be another's
+        stack, seen = [*([proc.pid] if proc.poll() is None else []), *members], set()
+        while stack:
+            pid = stack.pop()
+            if pid not in seen:
+                seen.add(pid)
+                stack.extend(children.get(pid, ()))
+        grown = {table[pid][1] for pid in seen if pid in table} - sessions - {os.getsid(0)}
+        if not grown:
+            break
+        sessions |= grown
+    return sorted(pid for pid, (_, sid, state) in table.items()
+                  if sid in sessions and state not in "ZX" and pid != os.getpid())
 
 
 def wait_until(predicate, timeout: float = 120, every: float = 0.05) -> bool:
@@ -330,11 +384,10 @@ def signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def kill_run(proc: subprocess.Popen, run_dir: Path) -> None:
-    """Test cleanup: SIGKILL the launcher's group and anything else of the run still alive."""
+def kill_run(proc: subprocess.Popen) -> None:
+    """Test cleanup: SIGKILL every process of the launch `proc` (processes_of) and its process group."""
+    pids = processes_of(proc)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    for pid in processes_of(run_dir):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    signal_all(pids, signal.SIGKILL)
     proc.wait()

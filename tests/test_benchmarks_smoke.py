@@ -12,13 +12,13 @@ FIELDS = ("pimm_events_per_s", "hand_events_per_s", "ratio", "ratio_per_point", 
           "loader_events_per_s_per_rank", "consumption_events_per_s_per_rank", "loader_headroom")
 
 
-def test_throughput_benchmark_runs_and_reports_every_field(tmp_path, tiny_data):
-    out = tmp_path / "bench.json"
-    argv = [
-        sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--config", "tests/tiny_semseg",
-        "--data", str(tiny_data["train"]), "--set", "model.channels=8", "--steps", "6", "--warmup", "2",
-        "--log-every", "2", "--repeats", "1", "--world-sizes", "1", "--loader-batches", "8", "--out", str(out),
-    ]
+TINY_RUNS = ["--set", "model.channels=8", "--steps", "6", "--warmup", "2", "--log-every", "2", "--repeats", "1",
+             "--world-sizes", "1", "--loader-batches", "8"]
+
+
+def run_throughput(*args: str) -> str:
+    """benchmarks/throughput.py ARGS with the tiny config; its stdout once it exited 0."""
+    argv = [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--config", "tests/tiny_semseg", *args]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=120)
@@ -34,15 +34,42 @@ def test_throughput_benchmark_runs_and_reports_every_field(tmp_path, tiny_data):
     for column in ("world size", "pimm events/s", "hand-written events/s", "ratio pimm/hand",
                    "loader events/s per rank", "consumption events/s per rank", "loader headroom"):
         assert column in stdout, column
+    return stdout
 
-    result = json.loads(out.read_text())
-    assert result["settings"]["steps"] == 6 and result["settings"]["overrides"] == ["model.channels=8"]
+
+def assert_one_row(result: dict) -> dict:
     (row,) = result["results"]
     assert row["world_size"] == 1 and row["per_rank_batch"] == row["global_batch"] == 4
     for field in FIELDS:
         assert isinstance(row[field], float) and math.isfinite(row[field]) and row[field] > 0, (field, row[field])
     assert len(row["runs"]["pimm"]) == len(row["runs"]["hand"]) == 1
     assert row["runs"]["hand"][0]["steps"] == 6 and row["runs"]["hand"][0]["warmup"] == 2
+    return row
+
+
+def test_throughput_benchmark_runs_and_reports_every_field(tmp_path, tiny_data):
+    out = tmp_path / "bench.json"
+    run_throughput("--data", str(tiny_data["train"]), *TINY_RUNS, "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["settings"]["steps"] == 6 and result["settings"]["overrides"] == ["model.channels=8"]
+    assert result["settings"]["layout"] == "pimm" and result["settings"]["points_per_event"] is None
+    assert_one_row(result)
+
+
+def test_throughput_benchmark_on_the_pilarnet_layout_prints_its_ratios(tmp_path):
+    """`--layout pilarnet`: generates PILArNet-M layout shards (here 32 events of about 300 points) where
+    --data is missing, trains both sides through PILArNetDataset and prints its ratios."""
+    data, out = tmp_path / "pilarnet", tmp_path / "bench.json"
+    stdout = run_throughput("--layout", "pilarnet", "--data", str(data), "--synth-events", "32",
+                            "--points-per-event", "300", *TINY_RUNS, "--out", str(out))
+    assert f"generating {data} (32 events, seed 1)" in stdout
+    assert len(list((data / "train").glob("train_*.h5"))) == 4  # the benchmark's shards
+    result = json.loads(out.read_text())
+    assert result["settings"]["layout"] == "pilarnet" and result["settings"]["points_per_event"] == 300
+    assert result["settings"]["target_ratio"] == 0.97
+    row = assert_one_row(result)
+    assert f"world 1: ratio {row['ratio']:.3f} (target >= 0.97: " in stdout
+    assert all(row["mean_points_per_event"][side] > 0 for side in ("pimm", "hand"))
 
 
 def test_evaluate_benchmark_prints_its_table(tmp_path):

@@ -19,11 +19,11 @@ import socket
 import struct
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import require_slurm_cluster, wait_for_slurm_jobs
 from torch.utils.data import DataLoader
 
 REPO = Path(__file__).resolve().parents[1]
@@ -260,10 +260,7 @@ def test_multinode_script_outside_slurm_says_so():
 
 
 def test_multinode_setup_and_run_on_a_2_node_slurm_job(tmp_path):
-    from conftest import require_slurm_cluster
-
     require_slurm_cluster()
-    job_name = f"pimm-course-{uuid.uuid4().hex[:8]}"
     log = tmp_path / "job.out"
     (tmp_path / "job.sh").write_text(
         "#!/bin/bash\nset -e\n"
@@ -272,15 +269,17 @@ def test_multinode_setup_and_run_on_a_2_node_slurm_job(tmp_path):
         f"--save {tmp_path / 'w.pt'}\n"
     )
     env = {"PYTHON": sys.executable, "NPROC_PER_NODE": "1"}
+    res = run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2", "--time=5",
+               "--job-name=pimm-course", f"--output={log}", f"--chdir={COURSE}", str(tmp_path / "job.sh")],
+              timeout=60, env=env)
+    assert res.returncode == 0, f"sbatch: {res.stdout}{res.stderr}"
+    job = int(res.stdout.strip().split(";")[0])
     try:
-        res = run(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2", "--time=5",
-                   f"--job-name={job_name}", f"--output={log}", f"--chdir={COURSE}", str(tmp_path / "job.sh")],
-                  timeout=240, env=env)
+        (state,) = wait_for_slurm_jobs([job], timeout=240)
     finally:
-        # if the job still runs (sbatch timed out), end it
-        subprocess.run(["scancel", f"--name={job_name}"], check=False, capture_output=True, timeout=30)
+        subprocess.run(["scancel", str(job)], check=False, capture_output=True, timeout=30)  # this job only
     out = log.read_text() if log.exists() else "(no job output)"
-    assert res.returncode == 0, f"sbatch: {res.stdout}{res.stderr}\njob output:\n{out}"
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", f"job {job}: {state}\njob output:\n{out}"
     assert "head node n1 (127.0.0.1)" in out
     assert "2 node(s): node 0 = " in out and "node 1 = " in out
     assert "all_reduce over 2 ranks: 1 (expected 1)" in out

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,20 +15,22 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from conftest import pimm_in_process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from pimm.data.collate import batch_index_to_offset, collate_events, offset_to_batch_index
-from pimm.data.dataset import LArTPCDataset, build_dataset, validate_event_file
-from pimm.data.synth import (
+from pimm.data.dataset import LArTPCDataset, build_dataset
+from pimm.data.event_format import (
     CLASS_NAMES,
     DETECTOR_SIZE,
     compute_content_hash,
     describe,
-    generate_event,
-    write_dataset,
+    validate_event_file,
 )
+from pimm.data.index_cache import index_path
+from pimm.data.synth import generate_event, write_dataset
 from pimm.errors import ConfigError, DataError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +98,7 @@ def test_write_validate_and_read_back(event_file: Path) -> None:
     assert info["num_events"] == 24 and info["format_version"] == 1
     assert info["size_bytes"] == event_file.stat().st_size
     assert info["content_hash"] == compute_content_hash(event_file)
-    assert not event_file.with_suffix(".h5.tmp").exists()
+    assert not list(event_file.parent.glob(".*.tmp"))  # written in one rename, no leftovers
     with h5py.File(event_file) as f:
         assert f.attrs["format"] == "pimm-events" and f.attrs["seed"] == 5
         assert json.loads(f.attrs["class_names"]) == list(CLASS_NAMES)
@@ -310,3 +314,122 @@ def test_collate_real_events(event_file: Path) -> None:
     assert out["offset"][-1] == len(out["coord"]) == len(out["segment"])
     assert out["segment"].dtype == torch.int64 and out["event_id"].tolist() == [4, 1, 9]
     assert torch.equal(batch_index_to_offset(offset_to_batch_index(out["offset"])), out["offset"])
+
+
+# ----------------------------------------------------------------------------- `pimm data synth --out`
+
+
+def _synth(out: Path, *extra: object) -> subprocess.CompletedProcess:
+    return pimm_in_process(["data", "synth", "--out", out, "--events", "3", *extra])
+
+
+def _one_line_refusal(res: subprocess.CompletedProcess, *words: str) -> str:
+    """The single stderr line of a refused `pimm data synth` (exit 2, no traceback), checked for `words`."""
+    assert res.returncode == 2 and res.stdout == "", (res.stdout, res.stderr)
+    line = res.stderr.strip()
+    assert "\n" not in line and line.startswith("pimm: error: ") and "Traceback" not in line, res.stderr
+    for word in words:
+        assert word in line, (word, line)
+    return line
+
+
+def test_synth_refuses_an_existing_file_and_replaces_only_its_own_with_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "train.h5"
+    assert _synth(out, "--seed", "1").returncode == 0
+    first = validate_event_file(out)["content_hash"]
+    _one_line_refusal(_synth(out, "--seed", "2"), f"{out} exists", "--overwrite")
+    assert validate_event_file(out)["content_hash"] == first  # untouched
+    res = _synth(out, "--seed", "2", "--overwrite")  # a file pimm data synth wrote: replaced
+    assert res.returncode == 0 and "wrote 3 events" in res.stdout, res.stderr
+    assert validate_event_file(out)["content_hash"] != first
+    # a file pimm data synth did not write is never replaced, with the flag or without
+    for name, make in (("notes.h5", lambda p: p.write_text("my notes\n")),
+                       ("other.h5", lambda p: h5py.File(p, "w").close()),  # HDF5, but no generator attribute
+                       ("foreign.h5", lambda p: h5py.File(p, "w").attrs.update(generator="someone.else"))):
+        path = tmp_path / name
+        make(path)
+        before = path.read_bytes()
+        _one_line_refusal(_synth(path), f"{path} exists")
+        _one_line_refusal(_synth(path, "--overwrite"), f"{path} exists and pimm data synth did not write it")
+        assert path.read_bytes() == before
+    _one_line_refusal(_synth(tmp_path, "--overwrite"), f"--out {tmp_path} is a directory")
+
+
+def test_synth_pilarnet_refuses_existing_shards_and_strays_in_the_split_directory(tmp_path: Path) -> None:
+    out = tmp_path / "pil"
+    assert _synth(out, "--layout", "pilarnet", "--shards", "3").returncode == 0
+    _one_line_refusal(_synth(out, "--layout", "pilarnet", "--shards", "3", "--seed", "4"), "train_000.h5 exists")
+    # fewer shards over the same directory would leave train_002.h5 to be read with the new ones
+    _one_line_refusal(_synth(out, "--layout", "pilarnet", "--shards", "2", "--overwrite"),
+                      f"{out / 'train'} also holds train_002.h5", "would mix")
+    res = _synth(out, "--layout", "pilarnet", "--shards", "3", "--seed", "4", "--overwrite")
+    assert res.returncode == 0, res.stderr
+    (out / "train" / "train_001.h5").write_bytes(b"a published shard, say")
+    _one_line_refusal(_synth(out, "--layout", "pilarnet", "--shards", "3", "--overwrite"),
+                      "train_001.h5 exists and pimm data synth did not write it")
+
+
+def test_synth_to_an_unwritable_place_is_one_line(tmp_path: Path) -> None:
+    # tests run as root, which chmod does not stop: a path through a regular file fails for root too
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for out in (blocker / "x.h5", blocker / "sub" / "x.h5"):  # ENOTDIR on the file, EEXIST on making the folder
+        _one_line_refusal(_synth(out), f"cannot write {out}: {blocker} is a file, not a directory", "--out")
+    res = pimm_in_process(["data", "synth", "--layout", "pilarnet", "--out", blocker / "pil", "--events", "2"])
+    _one_line_refusal(res, f"{blocker} is a file, not a directory")
+    assert blocker.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_synth_on_a_read_only_file_system_is_one_line(tmp_path: Path) -> None:
+    """EROFS itself: a read-only tmpfs mounted in a private mount namespace (root with unshare only)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o ro tmpfs {ro}"],
+                           capture_output=True, text=True, check=False) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("needs `unshare -m` and mount (root in a mount namespace) for a read-only file system: "
+                    f"{probe.stderr.strip() if probe else 'no unshare'}")
+    out = ro / "data" / "x.h5"
+    script = f'mount -t tmpfs -o ro tmpfs {ro} && exec "$0" -m pimm data synth --out {out} --events 2'
+    res = subprocess.run(["unshare", "-m", "sh", "-c", script, sys.executable], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=False, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    _one_line_refusal(res, f"cannot write {out}: read-only file system", "--out")
+
+
+def test_files_written_follow_the_umask(tmp_path: Path) -> None:
+    """Event files, PILArNet shards and their cached index get 0666 & ~umask, as `open()` would give."""
+    for umask in (0o022, 0o027):
+        previous = os.umask(umask)
+        try:
+            native = tmp_path / f"u{umask:o}.h5"
+            assert _synth(native).returncode == 0
+            assert _synth(tmp_path / f"p{umask:o}", "--layout", "pilarnet").returncode == 0
+            shard = tmp_path / f"p{umask:o}" / "train" / "train_000.h5"
+            validate_event_file(native)  # writes the points index beside the file
+        finally:
+            os.umask(previous)
+        for path in (native, shard, index_path(native), index_path(shard)):
+            assert path.stat().st_mode & 0o777 == 0o666 & ~umask, (path, oct(path.stat().st_mode), oct(umask))
+
+
+def test_the_data_layer_imports_nothing_above_it_and_the_generator_no_reader() -> None:
+    above = ("pimm.engine", "pimm.tasks", "pimm.models", "pimm.launch", "pimm.checkpoint", "pimm.distributed",
+             "pimm.cli", "pimm.validate")
+    for module in sorted((REPO / "pimm" / "data").glob("*.py")):
+        imported = _imports(module)
+        assert not [m for m in imported if m.startswith(above)], (module.name, imported)
+        if module.name == "synth.py":
+            assert not {"pimm.data.dataset", "pimm.data.event_file"} & imported, imported
+        if module.name in ("event_format.py", "pilarnet_file.py", "event_file.py", "transforms.py", "dataset.py"):
+            assert "pimm.data.synth" not in imported, module.name  # readers take the format from its module
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, at any depth of its code ("from pimm.data import x" gives pimm.data.x)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return found

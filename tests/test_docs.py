@@ -31,7 +31,13 @@ def test_site_builds_strictly(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                          check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert (tmp_path / "site" / "reference" / "config" / "index.html").is_file()
+    site = tmp_path / "site"
+    assert (site / "reference" / "config.html").is_file()
+    # opened from the file system (site/index.html), a link to a folder would open a directory listing
+    links = [(page, href) for page in site.rglob("*.html") if page.name != "404.html"  # 404: for servers
+             for href in re.findall(r'<a\s[^>]*?href="([^"#?]+)', page.read_text()) if "://" not in href]
+    assert len(links) > 100, "the built pages should link to each other"
+    assert [(str(p.relative_to(site)), h) for p, h in links if not (p.parent / h).is_file()] == []
 
 
 def test_generated_references_are_current():

@@ -37,10 +37,10 @@ def test_validation_every_n_steps_survives_a_stop_and_a_topology_change(tmp_path
     run_dir = exp / "tests" / "job"
     try:
         wait_for_run(proc, lambda: metrics_lines(run_dir) >= 8)  # past the validation of step 5
-        signal_all(processes_of(run_dir), signal.SIGUSR1)
+        signal_all(processes_of(proc), signal.SIGUSR1)
         out, err = proc.communicate(timeout=120)
     finally:
-        kill_run(proc, run_dir)
+        kill_run(proc)
     assert proc.returncode == 75, err
     stopped = json.loads((run_dir / "model/last/.complete").read_text())["step"]
     assert 5 <= stopped < 24

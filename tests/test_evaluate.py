@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import REPO, pimm_in_process, run_pimm
 
-from pimm.engine.metrics import metrics_from_confusion
+from pimm.tasks.metrics import metrics_from_confusion
 
 
 @pytest.fixture
@@ -62,7 +62,8 @@ def test_metrics_by_hand():
 
 
 def test_save_predictions_match_the_metrics(evaluations):
-    from pimm.data.predictions import metrics_from_predictions, open_predictions
+    from pimm.data.predictions import open_predictions
+    from pimm.tasks.metrics import metrics_from_predictions
 
     res, out = evaluations["ddp"]  # 2 ranks, --save-predictions --save-scores
     assert res.returncode == 0, res.stderr

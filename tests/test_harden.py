@@ -59,18 +59,19 @@ def test_sigusr1_to_every_process_with_loader_workers_then_the_printed_command_r
     try:
         wait_for_run(proc, lambda: metrics_lines(run_dir) >= 3)
         # launcher, torchrun, 2 ranks and their 2 loader workers each
-        assert wait_until(lambda: len(processes_of(run_dir)) >= 8, timeout=30), processes_of(run_dir)
-        signal_all(processes_of(run_dir), signal.SIGUSR1)
+        assert wait_until(lambda: len(processes_of(proc)) >= 8, timeout=30), processes_of(proc)
+        signal_all(processes_of(proc), signal.SIGUSR1)
         out, err = proc.communicate(timeout=120)
+        # checked before the cleanup below kills what is left: the run left nothing behind
+        assert wait_until(lambda: processes_of(proc) == [], timeout=10), processes_of(proc)
     finally:
-        kill_run(proc, run_dir)
+        kill_run(proc)
     assert proc.returncode == 75, err
     assert "Traceback" not in err and "killed by signal" not in err
     manifest = json.loads((run_dir / "model/last/.complete").read_text())
     last = attempts(run_dir)[-1]
     assert last["outcome"] == "interrupted by SIGUSR1" and last["checkpoint_step"] == manifest["step"]
     assert manifest["step"] < 24
-    assert processes_of(run_dir) == []
 
     # the printed command, pasted as it is, continues the same run (2 ranks, its own config)
     res = subprocess.run(_continue_command(err), check=False, cwd=tmp_path, capture_output=True, text=True, timeout=300,
@@ -91,20 +92,22 @@ def test_stop_signal_to_torchrun_only_or_to_the_ranks_only(tmp_path, tiny_data, 
     run_dir = tmp_path / "tests" / target
     try:
         wait_for_run(proc, lambda: metrics_lines(run_dir) >= 3)
+        # launcher, torchrun, 2 ranks and their loader worker each (processes_of learns their sessions)
+        assert wait_until(lambda: len(processes_of(proc)) >= 6, timeout=30), processes_of(proc)
         if target == "torchrun":
-            torchrun = [p for p in processes_of(run_dir)
+            torchrun = [p for p in processes_of(proc)
                         if b"pimm.launch.torchrun" in Path(f"/proc/{p}/cmdline").read_bytes()]
             signal_all(torchrun, signal.SIGTERM)
         else:
             signal_all(_ranks(run_dir), signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
+        assert wait_until(lambda: processes_of(proc) == [], timeout=10), processes_of(proc)  # before the cleanup
     finally:
-        kill_run(proc, run_dir)
+        kill_run(proc)
     assert proc.returncode == 75, err
     runs = attempts(run_dir)
     assert len(runs) == 1 and runs[0]["outcome"] == "interrupted by SIGTERM"
     assert json.loads((run_dir / "model/last/.complete").read_text())["step"] == runs[0]["checkpoint_step"]
-    assert processes_of(run_dir) == []
 
 
 def _snapshot(run_dir: Path) -> dict:
@@ -126,15 +129,16 @@ def test_one_writer_sigkilled_launcher_leaves_no_process_and_the_run_resumes(tmp
                         f"data.val.path={tiny_data['val']}"], cwd=REPO, timeout=60)
         assert res.returncode == 2 and "already exists" in res.stderr
 
+        assert wait_until(lambda: len(processes_of(proc)) >= 6, timeout=30), processes_of(proc)  # sessions known
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and torchrun; the ranks are in sessions of their own
         killed_at = time.time()
-        assert wait_until(lambda: processes_of(run_dir) == [], timeout=10), processes_of(run_dir)
+        assert wait_until(lambda: processes_of(proc) == [], timeout=10), processes_of(proc)
         died_within = time.time() - killed_at
         before = _snapshot(run_dir)
         time.sleep(1.0)
         assert _snapshot(run_dir) == before  # nothing is written after
     finally:
-        kill_run(proc, run_dir)
+        kill_run(proc)
     assert died_within < 10
     assert attempts(run_dir)[-1]["outcome"] == "running"  # killed: it never recorded an end
 
@@ -190,7 +194,7 @@ def test_warm_start_survives_a_torchrun_restart_before_the_first_checkpoint(tmp_
         os.kill(_ranks(run_dir)[1], signal.SIGKILL)
         out, err = proc.communicate(timeout=240)
     finally:
-        kill_run(proc, run_dir)
+        kill_run(proc)
     assert proc.returncode == 0, err
     runs = attempts(run_dir)
     assert len(runs) == 2 and runs[1]["torchrun_restart"] == 1
@@ -239,10 +243,10 @@ def test_stop_signal_during_validation_checkpoints_the_epoch_end_step(tmp_path, 
     run_dir = tmp_path / "tests" / "val"
     try:
         wait_for_run(proc, lambda: metrics_lines(run_dir) >= 12)  # step 12's train line: validation begins
-        signal_all(processes_of(run_dir), signal.SIGTERM)
+        signal_all(processes_of(proc), signal.SIGTERM)
         out, err = proc.communicate(timeout=180)
     finally:
-        kill_run(proc, run_dir)
+        kill_run(proc)
     assert proc.returncode == 75, err
     records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(r["kind"] == "val" and r["step"] == 12 for r in records)  # the validation finished

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pimm.engine.metrics import SegmentationMeter, metrics_from_confusion
 from pimm.tasks import event_mean_loss
+from pimm.tasks.metrics import SegmentationMeter, metrics_from_confusion
 
 
 def test_iou_from_known_confusion():

@@ -21,15 +21,16 @@ from torch.utils.data import DataLoader
 from pimm.cli import main
 from pimm.config import load_config
 from pimm.config.validate import check_config
-from pimm.data import pilarnet_file
+from pimm.data import index_cache, pilarnet_file
 from pimm.data.collate import collate_events
 from pimm.data.dataset import PILArNetDataset, build_dataset
 from pimm.data.event_file import validate_data
-from pimm.data.pilarnet_file import index_path, open_pilarnet
-from pimm.data.synth import LOW_ENERGY, generate_event, pilarnet_event, write_pilarnet, write_pilarnet_file
-from pimm.engine.metrics import SegmentationMeter
+from pimm.data.index_cache import index_path
+from pimm.data.pilarnet_file import open_pilarnet, write_pilarnet_file
+from pimm.data.synth import LOW_ENERGY, generate_event, pilarnet_event, write_pilarnet
 from pimm.errors import ConfigError, DataError
 from pimm.tasks import event_mean_loss
+from pimm.tasks.metrics import SegmentationMeter
 
 
 def _stored(seed: int, index: int) -> tuple[dict, np.ndarray]:
@@ -142,7 +143,7 @@ def test_published_feature_normalisation_against_a_hand_computation(tmp_path: Pa
         PILArNetDataset(path, features="unit")
     # an export records how its inputs were computed; pimm predict reads new data the same way
     from pimm.cli.export import export_config
-    from pimm.cli.predict import _data_source
+    from pimm.launch.predict import _data_source
     from pimm.config import load_config
 
     cfg = load_config(REPO / "configs" / "pilarnet" / "semseg.py")
@@ -179,7 +180,7 @@ def test_index_is_cached_beside_the_file_and_rebuilt_when_it_changes(tmp_path: P
     again = PILArNetDataset(path)  # a second start reads the cache: no scan, no rewrite
     assert len(scans) == 1 and cache.stat().st_mtime_ns == stamp
     assert again.info == first.info
-    write_pilarnet(path, 7, seed=2)  # the file changes: size and mtime differ
+    write_pilarnet(path, 7, seed=2, overwrite=True)  # the file changes: size and mtime differ
     changed = PILArNetDataset(path)
     assert len(scans) == 2 and len(changed) == 7 and changed.info["content_hash"] != first.info["content_hash"]
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # touched only
@@ -199,7 +200,7 @@ def test_unwritable_directory_keeps_the_index_in_memory(tmp_path: Path, monkeypa
             raise PermissionError(13, "Permission denied", str(file))
         return real_open(file, mode, *args, **kwargs)
 
-    monkeypatch.setattr(pilarnet_file, "open", refuse, raising=False)
+    monkeypatch.setattr(index_cache, "open", refuse, raising=False)
     with caplog.at_level(logging.WARNING, logger="pimm"):
         ds = PILArNetDataset(tmp_path / "ro")
         PILArNetDataset(tmp_path / "ro")
@@ -329,7 +330,7 @@ def test_directory_of_split_shards(tmp_path: Path) -> None:
     assert train.info["content_hash"] != val.info["content_hash"]
     # a shard rewritten with other content changes the identity of the whole set
     before = train.info["content_hash"]
-    write_pilarnet(root / "pilarnet_train" / "extra.h5", 2, seed=11)
+    write_pilarnet(root / "pilarnet_train" / "extra.h5", 2, seed=11, overwrite=True)
     assert PILArNetDataset(root, split="train").info["content_hash"] != before
     flat = tmp_path / "flat"
     write_pilarnet(flat / "a.h5", 3, seed=1)

@@ -258,7 +258,7 @@ def ptv3_reference(tmp_path_factory, tiny_data):
     try:
         out, err = reference.communicate(timeout=300)
     finally:
-        kill_run(reference, exp / "tests" / "reference")
+        kill_run(reference)
     assert reference.returncode == 0, err
     return exp / "tests" / "reference"
 
@@ -294,11 +294,11 @@ def test_sigusr1_to_every_process_with_loader_workers_then_resume_is_bit_exact(t
     run_dir = tmp_path / "tests" / "job"
     try:
         wait_for_run(proc, lambda: metrics_lines(run_dir) >= 3)
-        assert wait_until(lambda: len(processes_of(run_dir)) >= 8, timeout=30), processes_of(run_dir)
-        signal_all(processes_of(run_dir), signal.SIGUSR1)
+        assert wait_until(lambda: len(processes_of(proc)) >= 8, timeout=30), processes_of(proc)
+        signal_all(processes_of(proc), signal.SIGUSR1)
         out, err = proc.communicate(timeout=120)
     finally:
-        kill_run(proc, run_dir)
+        kill_run(proc)
     assert proc.returncode == 75, err
     stopped_at = json.loads((run_dir / "model/last/.complete").read_text())["step"]
     assert stopped_at < 12

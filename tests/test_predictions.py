@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,6 @@ from pimm import cli
 from pimm.data.predictions import (
     PredictionWriter,
     merge_predictions,
-    metrics_from_predictions,
     open_predictions,
     partial_path,
     read_event,
@@ -22,6 +22,7 @@ from pimm.data.predictions import (
 from pimm.data.synth import write_dataset, write_pilarnet
 from pimm.display import WRONG_COLOUR
 from pimm.errors import DataError
+from pimm.tasks.metrics import metrics_from_predictions
 
 CLASSES = ["shower", "track", "michel", "delta", "low_energy"]
 
@@ -112,6 +113,18 @@ def test_merge_refuses_a_duplicated_event_and_a_missing_rank(tmp_path: Path) -> 
         merge_predictions([a, a], tmp_path / "pred.h5")
 
 
+def test_prediction_files_follow_the_umask(tmp_path: Path) -> None:
+    """A part, a merged file and an unsorted writer's file get 0666 & ~umask (readable by a group)."""
+    previous = os.umask(0o027)
+    try:
+        parts = [_write(tmp_path / "r0.h5", [0, 2], rank=0), _write(tmp_path / "r1.h5", [3, 1], rank=1)]
+        modes = [p.stat().st_mode & 0o777 for p in parts]
+        merged = merge_predictions(parts, tmp_path / "pred.h5")
+    finally:
+        os.umask(previous)
+    assert modes == [0o640, 0o640] and merged.stat().st_mode & 0o777 == 0o640
+
+
 def test_metrics_from_predictions_match_a_hand_computed_confusion_matrix(tmp_path: Path) -> None:
     path = tmp_path / "pred.h5"
     with PredictionWriter(path, num_classes=3, class_names=["a", "b", "c"], split="test", sources=["x"],
@@ -185,8 +198,10 @@ def test_show_draws_truth_prediction_and_the_wrong_points_of_a_prediction_file(f
                                                                                   monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     code, out, err = pimm("show", files["pred"], "--event", "2")
-    assert (code, out, err) == (0, "event_2.png\n", "")
-    colours = _colours(tmp_path / "event_2.png")
+    png = files["pred"].parent / "display" / "pred-event_2.png"  # beside the file drawn, not in the current directory
+    assert (code, out, err) == (0, f"{png}\n", "")
+    assert list(tmp_path.iterdir()) == []
+    colours = _colours(png)
     assert len(colours) > 20 and _has_colour(colours, WRONG_COLOUR)
 
 

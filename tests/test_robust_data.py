@@ -13,10 +13,12 @@ import pytest
 import torch
 from conftest import REPO, TINY, pimm_in_process, run_pimm
 
-from pimm.cli.paths import config_roots
 from pimm.config import load_config, resolve_config_path
-from pimm.data.event_file import select_events, validate_data
-from pimm.data.synth import pilarnet_event, write_dataset, write_pilarnet, write_pilarnet_file
+from pimm.config.paths import config_roots
+from pimm.data.event_file import validate_data
+from pimm.data.event_format import select_events
+from pimm.data.pilarnet_file import write_pilarnet_file
+from pimm.data.synth import pilarnet_event, write_dataset, write_pilarnet
 from pimm.errors import DataError
 from pimm.json_io import dumps
 from pimm.models import build_model
@@ -180,7 +182,7 @@ def test_negative_cluster_size_is_named_plainly(tmp_path: Path) -> None:
 
 
 def test_the_point_scan_is_cached_beside_the_file_and_redone_when_it_changes(tmp_path: Path, monkeypatch) -> None:
-    from pimm.data import event_file
+    from pimm.data import event_format as event_file
 
     path = write_dataset(tmp_path / "e.h5", 6, seed=3)
     spec = {"type": "LArTPCDataset", "path": str(path)}

@@ -103,7 +103,7 @@ def test_a_disk_that_fills_during_training_ends_with_one_line_and_the_run_resume
         try:
             out, err = proc.communicate(timeout=120)
         finally:
-            kill_run(proc, run_dir)
+            kill_run(proc)
         assert proc.returncode == 1, err
         line = last_line(err)
         staging = run_dir / "model" / ".tmp-step_00000008"
@@ -135,7 +135,7 @@ def disturbed_run(tmp_path, tiny_data, disturb) -> tuple[int, str, Path]:
         disturb(run_dir, proc)
         _, err = proc.communicate(timeout=120)
     finally:
-        kill_run(proc, run_dir)
+        kill_run(proc)
     return proc.returncode, err, run_dir
 
 

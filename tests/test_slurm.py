@@ -16,11 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, attempts, losses, require_slurm_cluster, run_pimm, steps, weights
+from conftest import (
+    REPO,
+    TINY,
+    attempts,
+    losses,
+    require_slurm_cluster,
+    run_pimm,
+    steps,
+    wait_for_slurm_jobs,
+    weights,
+)
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-            "DEADLINE"}
 # 48 events / global batch 4 = 12 steps per epoch; 4 global loader workers = 1 per rank (workers on)
 CHAIN_RUN = ("epochs=4", "num_worker=4", "log_event_ids=true")
 
@@ -49,23 +57,6 @@ def job_ids(res) -> list[int]:
     return [int(x) for x in match.group(1).split()]
 
 
-def job_state(job: int) -> dict:
-    out = subprocess.run(["scontrol", "show", "job", "-o", str(job)], capture_output=True, text=True, timeout=30,
-                         check=False).stdout
-    return dict(item.split("=", 1) for item in out.split() if "=" in item)
-
-
-def wait_for_jobs(jobs: list[int], timeout: float = 300) -> list[dict]:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        states = [job_state(j) for j in jobs]
-        if all(s.get("JobState") in TERMINAL for s in states):
-            return states
-        time.sleep(1)
-    subprocess.run(["scancel", *map(str, jobs)], check=False)
-    raise AssertionError(f"Slurm jobs {jobs} did not end within {timeout} s: {[job_state(j) for j in jobs]}")
-
-
 def slurm_log(run_dir: Path, job: int) -> str:
     path = run_dir / "slurm_logs" / f"slurm-{job}.out"
     return path.read_text() if path.exists() else ""
@@ -87,7 +78,7 @@ def uninterrupted(slurm, tmp_path_factory, tiny_data):
     assert res.returncode == 0, res.stderr
     jobs = job_ids(res)
     with cancelled_at_exit(jobs):
-        (state,) = wait_for_jobs(jobs)
+        (state,) = wait_for_slurm_jobs(jobs)
     return run_dir, jobs[0], state
 
 
@@ -122,7 +113,7 @@ def test_chain_cut_by_usr1_resumes_in_the_next_job_to_the_same_weights(slurm, tm
         assert metrics.exists(), slurm_log(run_dir, first)
         # as Slurm does before the time limit: USR1 to every process of the job's steps
         subprocess.run(["scancel", "--signal=USR1", str(first)], check=True)
-        states = wait_for_jobs(jobs)
+        states = wait_for_slurm_jobs(jobs)
     log1, log2 = slurm_log(run_dir, first), slurm_log(run_dir, second)
     assert states[0]["JobState"] == "FAILED" and states[0]["ExitCode"] == "75:0", log1
     assert f"job {second} resumes it" in log1
@@ -152,7 +143,7 @@ def test_a_chain_job_without_checkpoint_progress_ends_the_chain(slurm, tmp_path,
     assert res.returncode == 0, res.stderr
     jobs = job_ids(res)
     with cancelled_at_exit(jobs):
-        states = wait_for_jobs(jobs)
+        states = wait_for_slurm_jobs(jobs)
     assert states[0]["JobState"] == "FAILED" and states[0]["ExitCode"] == "1:0", slurm_log(run_dir, jobs[0])
     log2 = slurm_log(run_dir, jobs[1])
     assert states[1]["ExitCode"] == "78:0", log2
@@ -287,7 +278,7 @@ def test_validate_scaling_runs_as_a_slurm_job_and_leaves_its_report(slurm, tmp_p
     assert res.returncode == 0, res.stderr
     job = int(re.search(r"queued Slurm job (\d+)", res.stdout).group(1))
     with cancelled_at_exit([job]):
-        (state,) = wait_for_jobs([job])
+        (state,) = wait_for_slurm_jobs([job])
     log = (out / f"slurm-{job}.out").read_text()
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", log
     report = json.loads((out / "report.json").read_text())

@@ -103,19 +103,22 @@ def assert_close(got: dict, want: dict) -> None:
         assert (math.isnan(got[key]) and math.isnan(value)) or got[key] == pytest.approx(value, rel=1e-9), key
 
 
-def wandb_core_of(run_dir: Path) -> list[int]:
-    """pids of wandb-core processes whose parent is one of the run's processes."""
-    parents = set(processes_of(run_dir))
+def wandb_core_of(proc) -> list[int]:
+    """pids of the wandb-core processes among the launch's own (conftest.processes_of: rank 0 starts
+    wandb-core in a session of its own)."""
     found = []
-    for entry in Path("/proc").iterdir():
+    for pid in processes_of(proc):
         try:
-            if entry.name.isdigit() and b"wandb-core" in (entry / "cmdline").read_bytes():
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if ppid in parents:
-                    found.append(int(entry.name))
-        except (OSError, IndexError, ValueError):
-            continue
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "wandb-core":
+                found.append(pid)
+        except OSError:
+            continue  # gone meanwhile
     return found
+
+
+def all_but_core(proc) -> int:
+    """How many of the launch's processes are not wandb-core (launcher, torchrun, ranks, loader workers)."""
+    return len(set(processes_of(proc)) - set(wandb_core_of(proc)))
 
 
 def test_sigusr1_to_every_process_then_the_resumed_attempt_logs_the_rest(tmp_path, tiny_data, reference):
@@ -128,13 +131,13 @@ def test_sigusr1_to_every_process_then_the_resumed_attempt_logs_the_rest(tmp_pat
     run_dir = tmp_path / "tests" / "job"
     try:
         wait_for_run(proc, lambda: metrics_lines(run_dir) >= 3)
-        assert wait_until(lambda: len(processes_of(run_dir)) >= 8 and wandb_core_of(run_dir), timeout=30)
-        core = wandb_core_of(run_dir)
-        for pid in processes_of(run_dir) + core:
+        assert wait_until(lambda: all_but_core(proc) >= 8 and wandb_core_of(proc), timeout=30)
+        core = wandb_core_of(proc)
+        for pid in processes_of(proc):
             os.kill(pid, signal.SIGUSR1)
         out, err = proc.communicate(timeout=120)
     finally:
-        kill_run(proc, run_dir)
+        kill_run(proc)
     assert proc.returncode == 75, err
     assert "Traceback" not in err and "W&B" not in err
     stopped_at = attempts(run_dir)[-1]["checkpoint_step"]
@@ -164,12 +167,12 @@ def test_sigterm_to_every_process_including_wandb_core_still_checkpoints(tmp_pat
     run_dir = tmp_path / "tests" / "term"
     try:
         wait_for_run(proc, lambda: metrics_lines(run_dir) >= 3)
-        assert wait_until(lambda: len(processes_of(run_dir)) >= 8 and wandb_core_of(run_dir), timeout=30)
-        for pid in processes_of(run_dir) + wandb_core_of(run_dir):
+        assert wait_until(lambda: all_but_core(proc) >= 8 and wandb_core_of(proc), timeout=30)
+        for pid in processes_of(proc):
             os.kill(pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
-        kill_run(proc, run_dir)
+        kill_run(proc)
     assert proc.returncode == 75, err
     assert "Traceback" not in err
     manifest = json.loads((run_dir / "model/last/.complete").read_text())
@@ -205,12 +208,12 @@ def test_wandb_core_killed_by_sigterm_turns_wandb_off_not_the_training(tmp_path,
                         name="core")
     run_dir = tmp_path / "tests" / "core"
     try:
-        wait_for_run(proc, lambda: metrics_lines(run_dir) >= 2 and wandb_core_of(run_dir))
-        for pid in wandb_core_of(run_dir):
+        wait_for_run(proc, lambda: metrics_lines(run_dir) >= 2 and wandb_core_of(proc))
+        for pid in wandb_core_of(proc):
             os.kill(pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=180)
     finally:
-        kill_run(proc, run_dir)
+        kill_run(proc)
     assert proc.returncode == 0, err
     assert err.count("W&B log failed") + err.count("W&B finish failed") == 1, err
     assert "Traceback" not in err

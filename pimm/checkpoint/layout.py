@@ -4,7 +4,8 @@
     <run>/model/step_<N>/      older complete checkpoints (keep_last in all)
     <run>/model/.tmp-step_<N>/ a checkpoint being written (never resumed from as such)
     <run>/model/.trash-<name>/ a checkpoint being deleted (never resumed from)
-    <run>/model/model_best.pth, iter_<step>.pth
+    <run>/model/model_best.pth  the best weights so far; model_best.json: its step, metric, value, sha256
+    <run>/model/iter_<step>.pth  weight snapshots (save_iter_snapshots)
 
 `.complete` is written last and holds a manifest: the format, the step and the size and sha256
 of weights.pth and of every file in trainer.dcp/, so truncation or corruption is found before
@@ -27,6 +28,8 @@ COMPLETE = ".complete"
 LAST = "last"
 STAGING_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+BEST = "model_best.pth"
+BEST_RECORD = "model_best.json"  # written after model_best.pth: {"step", "metric", "value", "sha256"}
 FORMAT = 3  # 3: the model in trainer.dcp too (sharded under FSDP2); 2: no pickle anywhere in trainer.dcp
 READABLE_FORMATS = (2, 3)  # format 1, unmarked, pickled the trainer state
 

@@ -15,6 +15,7 @@ directory left by a crash before its rename is finished (or removed) by the next
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -203,11 +204,14 @@ class CheckpointManager:
     def _discard(self, path: Path) -> None:
         """Delete a checkpoint directory so that no crash leaves it half deleted under its name:
         rename it to .trash-<name> (which nothing resumes from) first."""
+        if not _is_real_dir(path):  # a link or file planted under a checkpoint's name: removed, never followed
+            _remove(path)
+            return
         trash = self.model_dir / f"{TRASH_PREFIX}{path.name}"
-        shutil.rmtree(trash, ignore_errors=True)  # a leftover of the same name
+        _remove(trash)  # a leftover of the same name
         os.replace(path, trash)
         fsync(self.model_dir)
-        shutil.rmtree(trash, ignore_errors=True)  # what is left is removed at the next resume
+        _remove(trash)  # what is left is removed at the next resume
 
     # -- resuming --------------------------------------------------------------------------
 
@@ -238,10 +242,15 @@ class CheckpointManager:
         is any incomplete one; .trash-* leftovers of an interrupted delete are removed."""
         for trash in self.model_dir.glob(TRASH_PREFIX + "*"):
             log.warning("removing %s (a checkpoint whose deletion was interrupted)", trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            _remove(trash)
         complete, _ = candidates(self.model_dir)
         newest = complete[0].step if complete else -1
         for staging in sorted(self.model_dir.glob(STAGING_PREFIX + "*")):  # oldest step first
+            if not _is_real_dir(staging):  # pimm writes only folders here: a link is removed, never followed
+                log.warning("removing %s (a %s, not a checkpoint write of pimm's)", staging,
+                            "symbolic link" if staging.is_symlink() else "file")
+                _remove(staging)
+                continue
             try:
                 step = int(verify(staging)["step"])
             except CheckpointError as exc:
@@ -269,6 +278,21 @@ class CheckpointManager:
             log.warning("unusable checkpoint %s moved to %s", path, target)
         if bad:
             fsync(self.model_dir)
+
+
+def _is_real_dir(path: Path) -> bool:
+    """A folder itself, not a symbolic link to one."""
+    return path.is_dir() and not path.is_symlink()
+
+
+def _remove(path: Path) -> None:
+    """Remove `path` without following it: a symbolic link or file is unlinked (what it points to
+    stays), a folder deleted with its contents; nothing there is no error."""
+    if _is_real_dir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _why(exc: BaseException) -> str:

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from pimm.checkpoint.layout import WEIGHTS, CheckpointError, fsync, read_manifest
+from pimm.checkpoint.layout import WEIGHTS, CheckpointError, read_manifest
+from pimm.files import atomic_path
+from pimm.models import build_model
 
 _SHOWN = 3  # mismatched keys named per kind in a message
 EXPORTED_WEIGHTS = "model.safetensors"  # a `pimm export` directory: these weights and config.json
@@ -21,17 +23,11 @@ EXPORTED_CONFIG = "config.json"
 
 
 def save_weight_file(state_dict: dict, path: Path) -> Path:
-    """torch.save to a temporary name, fsync, then rename: a reader (or a power loss) never sees half a file."""
+    """torch.save to a temporary name, fsync, then rename (pimm.files.atomic_path): a reader (or a
+    power loss) never sees half a file; the file gets the user's umask."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
+    with atomic_path(path) as tmp:
         save(state_dict, tmp)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync(tmp)
-    os.replace(tmp, path)
-    fsync(path.parent)
     return path
 
 
@@ -260,12 +256,9 @@ def match_weights(path: Path, state: dict, expected: dict[str, torch.Size], pret
     )
 
 
-def _refuse(match: WeightMatch, model_cfg: dict, given: str | Path) -> None:
-    """CheckpointError for a strict load that is not complete, or a partial load of nothing."""
-    if not match.strict and match.loaded:
-        return
-    if match.strict and match.complete:
-        return
+def differences(match: WeightMatch) -> list[str]:
+    """What keeps a strict load of `match` from working, as counted phrases with the first names:
+    missing keys, unexpected keys, shape mismatches (each shape in the file and in the model)."""
     parts = []
     if match.missing:
         parts.append(_listed(len(match.missing), "missing key", "missing keys", match.missing[:_SHOWN]))
@@ -274,6 +267,16 @@ def _refuse(match: WeightMatch, model_cfg: dict, given: str | Path) -> None:
     if match.mismatched:
         shown = [f"{k}: {a} in the file, {b} in the model" for k, a, b in match.mismatched[:_SHOWN]]
         parts.append(_listed(len(match.mismatched), "shape mismatch", "shape mismatches", shown, sep="; "))
+    return parts
+
+
+def _refuse(match: WeightMatch, model_cfg: dict, given: str | Path) -> None:
+    """CheckpointError for a strict load that is not complete, or a partial load of nothing."""
+    if not match.strict and match.loaded:
+        return
+    if match.strict and match.complete:
+        return
+    parts = differences(match)
     left_out = [k for k in match.skipped if k not in match.unexpected]
     if match.strict and left_out and not parts:
         parts.append(_listed(len(left_out), "key left out by pretrained.skip", "keys left out by pretrained.skip",
@@ -292,18 +295,21 @@ def _refuse(match: WeightMatch, model_cfg: dict, given: str | Path) -> None:
     )
 
 
+def model_entries(model_cfg: dict) -> dict[str, torch.Size]:
+    """name -> shape of every state_dict entry of the model `model_cfg` builds, built on the meta
+    device (no memory, no initialisation)."""
+    with torch.device("meta"):
+        return {k: v.shape for k, v in build_model(model_cfg).state_dict().items()}
+
+
 def check_pretrained_fits(path: str | Path, model_cfg: dict, pretrained: dict | None = None) -> WeightMatch:
     """Before any process starts: match the weights at `path` to the model `model_cfg` builds, with
     the `pretrained` options (key_map, skip, strict); CheckpointError when strict and anything does
     not fit, or when nothing loads. The model is built on the meta device (no memory, no init) and
     the file is memory-mapped, so this is cheap."""
-    from pimm.models import build_model
-
     resolved = resolve_weight_path(path)
     state = _read_state_dict(resolved, mmap=True)
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in build_model(model_cfg).state_dict().items()}
-    match = match_weights(resolved, state, expected, pretrained)
+    match = match_weights(resolved, state, model_entries(model_cfg), pretrained)
     _refuse(match, model_cfg, path)
     return match
 

@@ -10,7 +10,7 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from pimm.cli.paths import REPO_ROOT
+from pimm.config.paths import REPO_ROOT
 from pimm.errors import ConfigError, LaunchError
 
 BENCHMARKS = REPO_ROOT / "benchmarks"
@@ -87,8 +87,8 @@ def parse_strategies(text: str) -> list[str]:
 
 def resolve(config: str, overrides: list[str], ranks: list[int], strategies: list[str]) -> dict:
     """The resolved config, checked against every world size (batch split) and, for FSDP2, the model."""
-    from pimm.cli.paths import config_roots
     from pimm.config import apply_overrides, load_config, parse_overrides, resolve_config_path
+    from pimm.config.paths import config_roots
     from pimm.config.validate import check_config
     from pimm.distributed.batch import plan_batches
 

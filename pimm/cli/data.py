@@ -20,12 +20,16 @@ def add_parser(sub) -> None:
         help="generate synthetic LArTPC events",
         description="Generate physics-inspired LArTPC events (5 PILArNet classes) into a chunked HDF5 file "
         "(--layout pimm), or into PILArNet-M shards with variable-length point/cluster rows (--layout pilarnet). "
-        "Deterministic per (seed, event index).",
+        "Deterministic per (seed, event index). An existing file is never replaced unless --overwrite is given, "
+        "and then only one that pimm data synth wrote.",
     )
     synth.add_argument("--out", type=Path, required=True,
                        help="output .h5 file; with --layout pilarnet also a directory (shards in OUT/SPLIT/)")
     synth.add_argument("--events", type=int, required=True, help="number of events")
     synth.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    synth.add_argument("--overwrite", action="store_true",
+                       help="replace --out (or its shards) when they exist and pimm data synth wrote them; any other "
+                       "existing file is still refused")
     synth.add_argument("--layout", choices=("pimm", "pilarnet"), default="pimm",
                        help="pimm: pimm's event file (type='LArTPCDataset'); pilarnet: PILArNet-M's layout "
                        "(type='PILArNetDataset'). Default pimm")
@@ -48,8 +52,10 @@ def add_parser(sub) -> None:
 
 
 def run_synth(args: argparse.Namespace) -> int:
+    # deferred: the data modules load numpy and h5py, which `pimm --help` does not need
+    from pimm.data.event_format import describe
     from pimm.data.pilarnet_file import describe_pilarnet
-    from pimm.data.synth import describe, write_dataset, write_pilarnet
+    from pimm.data.synth import write_dataset, write_pilarnet
 
     start = time.perf_counter()
     if args.points_per_event is not None and args.layout != "pilarnet":
@@ -57,12 +63,12 @@ def run_synth(args: argparse.Namespace) -> int:
                         "event files are written at the generator's density: add --layout pilarnet or leave it out")
     if args.layout == "pilarnet":
         shards = write_pilarnet(args.out, args.events, args.seed, args.revision, args.shards, args.split,
-                                args.points_per_event)
+                                args.points_per_event, overwrite=args.overwrite)
         path = args.out
         info = describe_pilarnet(path, args.split, args.revision)
         where = f"{len(shards)} {args.revision} shard(s) under {path}"
     else:
-        path = write_dataset(args.out, args.events, args.seed)
+        path = write_dataset(args.out, args.events, args.seed, overwrite=args.overwrite)
         info = describe(path)
         where = str(path)
     print(
@@ -73,14 +79,10 @@ def run_synth(args: argparse.Namespace) -> int:
 
 
 def run_describe(args: argparse.Namespace) -> int:
-    from pimm.data.dataset import validate_event_file
+    # deferred: the data modules load numpy and h5py, which `pimm --help` does not need
+    from pimm.data.event_format import describe
     from pimm.data.pilarnet_file import describe_pilarnet, is_pilarnet
-    from pimm.data.synth import describe
 
-    if is_pilarnet(args.path):
-        info = describe_pilarnet(args.path, args.split, args.revision)
-    else:
-        validate_event_file(args.path)
-        info = describe(args.path)
+    info = describe_pilarnet(args.path, args.split, args.revision) if is_pilarnet(args.path) else describe(args.path)
     print(json.dumps(info, indent=2, default=str))
     return 0

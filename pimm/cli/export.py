@@ -22,7 +22,9 @@ import argparse
 import os
 from pathlib import Path
 
+from pimm.config import read_run_config
 from pimm.errors import PimmError
+from pimm.files import atomic_path, os_error_reason, write_atomic
 from pimm.json_io import dumps
 
 
@@ -75,11 +77,17 @@ def export_config(cfg: dict, checkpoint: str, step: int | None) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # torch and safetensors: only for an export, not for `pimm --help`
 
     from pimm.checkpoint.choose import choose_weights
-    from pimm.checkpoint.weights import EXPORTED_CONFIG, EXPORTED_WEIGHTS, load_weight_file
-    from pimm.config import load_config
+    from pimm.checkpoint.weights import (
+        EXPORTED_CONFIG,
+        EXPORTED_WEIGHTS,
+        differences,
+        load_weight_file,
+        match_weights,
+        model_entries,
+    )
 
     run_dir, out = args.run_dir, args.out
     if not (run_dir / "config.py").is_file():
@@ -89,8 +97,14 @@ def run(args: argparse.Namespace) -> int:
         raise PimmError(f"{out} exists and is {'not empty' if out.is_dir() else 'a file'}; refusing to overwrite it: "
                         "give a new or empty directory")
     weights, step = choose_weights(run_dir, args.checkpoint)
-    config = export_config(load_config(run_dir / "config.py"), args.checkpoint, step)
+    cfg = read_run_config(run_dir / "config.py")  # data: nothing in a run directory is executed
+    config = export_config(cfg, args.checkpoint, step)
     state = load_weight_file(weights)  # torch.load(weights_only=True): the same safe load as a warm start
+    match = match_weights(weights, state, model_entries(cfg["model"]))
+    if not match.complete:  # an export of them would not load into build_model(config["model"])
+        raise PimmError(f"--checkpoint {args.checkpoint}: the weights {weights} do not fit the model of {run_dir}/"
+                        f"config.py: {', '.join(differences(match))}; nothing exported. Export a checkpoint this "
+                        "run saved with this config (another --checkpoint), or restore the run's config.py")
     seen: set[int] = set()
     tensors = {}
     for key, tensor in state.items():  # safetensors refuses shared storage: give tied tensors their own copy
@@ -98,14 +112,15 @@ def run(args: argparse.Namespace) -> int:
         tensors[key] = tensor.clone() if tensor.data_ptr() in seen else tensor
         seen.add(tensor.data_ptr())
 
-    out.mkdir(parents=True, exist_ok=True)
-    # config.json last, each file under a temporary name first: a directory with both is a finished export
-    tmp = out / f".{EXPORTED_WEIGHTS}.tmp"
-    save_file(tensors, tmp, metadata={"format": "pt", "config_hash": config["config_hash"], "step": str(step)})
-    os.replace(tmp, out / EXPORTED_WEIGHTS)
-    tmp = out / f".{EXPORTED_CONFIG}.tmp"
-    tmp.write_text(dumps(config, indent=2) + "\n")
-    os.replace(tmp, out / EXPORTED_CONFIG)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        # config.json last, each file under a temporary name first: a directory with both is a finished export
+        with atomic_path(out / EXPORTED_WEIGHTS) as tmp:
+            save_file(tensors, tmp, metadata={"format": "pt", "config_hash": config["config_hash"], "step": str(step)})
+        write_atomic(out / EXPORTED_CONFIG, dumps(config, indent=2) + "\n")
+    except OSError as exc:
+        raise PimmError(f"cannot write the export to {out}: {os_error_reason(exc)}; give a writable directory"
+                        ) from None
     size = (out / EXPORTED_WEIGHTS).stat().st_size
     print(f"exported {weights} (step {step}) to {out}: {EXPORTED_WEIGHTS} ({len(tensors)} tensors, "
           f"{size / 2**20:.3g} MiB) and {EXPORTED_CONFIG}; warm-start a run with `pimm launch --train.weight {out}`")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pimm.cli.paths import config_roots
 from pimm.config import list_configs
+from pimm.config.paths import config_roots
 from pimm.errors import ConfigError
 
 

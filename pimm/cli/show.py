@@ -21,8 +21,8 @@ def add_parser(sub) -> None:
                    help="event id: the dataset index pimm logs (for a data file: with the reader's default "
                    "selection, every event with a point)")
     p.add_argument("--out", type=Path, default=None,
-                   help="file to write (default event_<ID>.png, or event_<ID>.html with --html, in the current "
-                   "directory)")
+                   help="file to write (default: display/<name>-event_<ID>.png, or .html with --html, in the folder "
+                   "of the file drawn; display/<split>-event_<ID>.png inside a directory of PILArNet-M shards)")
     p.add_argument("--html", action="store_true",
                    help="write an interactive 3D HTML page (self-contained) instead of the PNG; needs plotly: "
                    "pip install -e '.[display]'")
@@ -31,12 +31,15 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pimm.display import draw_png, load_event, require_plotly, write_html
+    # numpy, h5py and matplotlib behind it: kept out of `pimm --help`
+    from pimm.display import default_output, draw_png, load_event, make_output_folder, require_plotly, write_html
 
     if args.html:
         require_plotly()  # before reading anything
-    out = args.out or Path(f"event_{args.event}.{'html' if args.html else 'png'}")
+    out = args.out or default_output(args.path, args.event, args.split, args.html)
     view = load_event(args.path, args.event, args.split)
+    if args.out is None:
+        make_output_folder(out)  # after the event was found: a refused input leaves no folder behind
     written = write_html(view, out) if args.html else draw_png(view, out)
     print(written)
     return 0

@@ -66,12 +66,19 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pimm.cli.launch import check_data, prepare
+    from pimm.launch.preflight import prepare_launch
     from pimm.launch.sbatch import chain_commands, log_pattern, render_job_script
-    from pimm.launch.sites import load_site
+    from pimm.launch.sites import check_one_line, flag_for, load_site
 
     if args.chain_jobs < 1:
         raise LaunchError(f"--chain.jobs must be >= 1, got {args.chain_jobs}")
+    # the flags whose values reach the batch script, checked by their names (render_job_script checks again)
+    given = [(flag_for(name), getattr(args, f"site_{name}")) for name, kind in SITE_FLAGS.items() if kind is str]
+    given += [("--site", args.site), ("--run.name", args.run_name), ("--train.config", args.config),
+              ("--paths.exp-root", str(args.exp_root)), ("--train.resume", args.resume)]
+    for flag, value in given:
+        if isinstance(value, str):
+            check_one_line(value, flag)
     site = load_site(args.site, {name: getattr(args, f"site_{name}") for name in SITE_FLAGS})
     if site.scheduler != "slurm":
         raise LaunchError(f"site {site.name!r} does not use Slurm (scheduler: {site.scheduler}); run it with "
@@ -81,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
     args.gpus = site.nproc_per_node if site.uses_gpus else 0
     args.rdzv_endpoint = args.node_rank = None
     args.max_restarts = args.max_restarts or 0
-    plan = prepare(args, scheduled=True)
-    check_data(plan.cfg, plan.batches.global_batch_size)
+    plan = prepare_launch(args, scheduled=True)  # the data too
     submission = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     script_path = plan.run_dir.absolute() / "slurm" / f"submit-{submission}.sbatch"
     script = render_job_script(plan, site, submission, Path.cwd())

@@ -53,8 +53,8 @@ def prepare(config: str, ranks: list[int], steps: int, strategy: str, out: Path,
     """Resolve and check everything before any process starts -> pimm.validate.scaling.Spec;
     ConfigError/LaunchError (exit 2) for anything a run would refuse or the checklist cannot use."""
     from pimm.cli.bench import resolve
-    from pimm.cli.launch import check_data
     from pimm.config import parse_overrides
+    from pimm.launch.plan import check_data
     from pimm.validate.scaling import CONTROLLED, INTERRUPT_AT_STEP, MIN_STEPS, Spec, run_overrides
 
     if len(ranks) < 2:

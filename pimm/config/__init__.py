@@ -1,4 +1,5 @@
-"""Config files: find, load (with ``_base_`` inheritance), override, dump and hash."""
+"""Config files: find, load (with ``_base_`` inheritance), override, dump and hash; a run's resolved
+config read back as data (``read_run_config``)."""
 
 from pimm.config.loader import (
     config_hash,
@@ -7,6 +8,7 @@ from pimm.config.loader import (
     list_configs,
     load_config,
     merge_configs,
+    read_run_config,
     resolve_config_path,
 )
 from pimm.config.overrides import apply_overrides, parse_overrides
@@ -20,5 +22,6 @@ __all__ = [
     "load_config",
     "merge_configs",
     "parse_overrides",
+    "read_run_config",
     "resolve_config_path",
 ]

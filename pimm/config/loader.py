@@ -7,6 +7,7 @@ nested dict of plain data only (dict, list, tuple, str, int, float, bool, None).
 
 from __future__ import annotations
 
+import ast
 import builtins
 import difflib
 import hashlib
@@ -15,12 +16,12 @@ import keyword
 import math
 import os
 import pprint
-import tempfile
 import types
 from pathlib import Path
 from typing import Any
 
 from pimm.errors import ConfigError
+from pimm.files import write_atomic
 
 BASE_KEY = "_base_"
 DELETE_KEY = "_delete_"
@@ -313,17 +314,66 @@ def dump_config(cfg: dict, path: Path) -> None:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    write_atomic(path, text)  # readers see the old file or the new one, never half of one
+
+
+# ----------------------------------------------------------------------------- read a run's config
+
+
+_NON_FINITE = {"nan": math.nan, "inf": math.inf}  # float('nan'), float('inf'): how dump_config writes them
+
+
+class _NonFinite(ast.NodeTransformer):
+    """Replace exactly `float('nan')` and `float('inf')` (the forms dump_config writes) by their
+    value, so ast.literal_eval reads them; any other call stays and is refused."""
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        func, args = node.func, node.args
+        if (isinstance(func, ast.Name) and func.id == "float" and not node.keywords and len(args) == 1
+                and isinstance(args[0], ast.Constant) and args[0].value in _NON_FINITE):
+            return ast.copy_location(ast.Constant(_NON_FINITE[args[0].value]), node)
+        return node
+
+
+def read_run_config(path: Path) -> dict:
+    """The resolved config of a run (its config.py, as ``dump_config`` wrote it) read as data: each
+    top-level statement must be ``NAME = <literal>``; nothing in the file is executed. ConfigError,
+    naming the file and line, for anything else (a file someone appended code to is refused)."""
+    path = Path(path)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the run's config {path}: {e}; it should be the config.py pimm wrote "
+                          "into the run directory") from None
+
+    def refuse(lineno: int | None, problem: str) -> ConfigError:
+        text = _line_text(source, lineno)
+        return ConfigError(f"{path}, line {lineno}: pimm reads a run's config.py as data; it holds code: {problem}"
+                           + (f" ({text:.80})" if text else "")
+                           + "; restore the config.py pimm wrote (plain NAME = value lines) or start a new run")
+
+    try:
+        tree = ast.parse(source, filename=str(path))
+    except SyntaxError as e:
+        raise refuse(e.lineno, f"a syntax error ({e.msg})") from None
+    except (ValueError, RecursionError, MemoryError) as e:  # a NUL byte; nesting too deep for the parser
+        raise refuse(None, f"not Python source ({type(e).__name__}: {str(e):.80})") from None
+    cfg: dict = {}
+    for statement in tree.body:
+        target = statement.targets[0] if isinstance(statement, ast.Assign) and len(statement.targets) == 1 else None
+        if not isinstance(target, ast.Name):
+            raise refuse(statement.lineno, "a statement that is not an assignment NAME = <value>")
+        try:
+            value = ast.literal_eval(_NonFinite().visit(statement.value))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            raise refuse(statement.lineno, f"the value of {target.id} is an expression, not a literal") from None
+        if target.id.startswith("_"):
+            raise refuse(statement.lineno, f"{target.id} is a private name, which dump_config never writes")
+        try:
+            cfg[target.id] = check_plain_data(value, target.id)
+        except ConfigError as e:  # a set, bytes or complex number: literals, but not config values
+            raise refuse(statement.lineno, str(e).split(";")[0]) from None
+    return cfg
 
 
 def _canonical(value: Any) -> Any:

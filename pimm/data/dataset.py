@@ -1,4 +1,5 @@
-"""Lazy, fork-safe access to pimm event files (see `pimm.data.synth` for the format)."""
+"""Lazy, fork-safe torch datasets over pimm event files (format: `pimm.data.event_format`) and
+PILArNet-M shards (layout: `pimm.data.pilarnet_file`)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,9 @@ import torch
 from torch.utils.data import Dataset
 
 from pimm import names
-from pimm.data.event_file import (
-    _H5_ERRORS,
-    _OPEN_KW,
-    _fail,
-    _read_index,
-    dropped_note,
-    select_events,
-    validate_event_file,
-)
-from pimm.data.pilarnet_file import _OPEN_KW as _PILARNET_OPEN_KW
+from pimm.data.event_file import dropped_note
+from pimm.data.event_format import DETECTOR_SIZE, check_layout, event_file_error, select_events
+from pimm.data.hdf5 import H5_ERRORS, open_read
 from pimm.data.pilarnet_file import (
     DEFAULT_LABEL,
     DEFAULT_REVISION,
@@ -39,12 +33,11 @@ from pimm.data.pilarnet_file import (
     open_pilarnet,
     point_labels,
 )
-from pimm.data.synth import DETECTOR_SIZE
 from pimm.data.transforms import DEFAULT_FEATURES, build_transforms, feature_columns
 from pimm.errors import ConfigError, DataError
 from pimm.registry import Registry
 
-__all__ = ["DATASETS", "LArTPCDataset", "PILArNetDataset", "build_dataset", "validate_event_file"]
+__all__ = ["DATASETS", "LArTPCDataset", "PILArNetDataset", "build_dataset"]
 
 DATASETS = Registry("dataset")
 # open_pilarnet's label range with labels=False: any class number passes (-1 is "no label" in the format)
@@ -118,7 +111,7 @@ class LArTPCDataset(Dataset):
                                                                          labels=self.labels)
             _log_dropped(self.info)
         else:
-            self.info, offsets, self.class_names = _read_index(path, self.labels)
+            self.info, offsets, self.class_names = check_layout(path, self.labels)
             stored = None
         self.path = self.info["path"]
         n = self.info["num_events"] if max_len is None else min(int(max_len), self.info["num_events"])
@@ -158,11 +151,12 @@ class LArTPCDataset(Dataset):
             # a handle inherited through fork shares HDF5 state with the parent: open our own
             self._reset_handle()
             try:
-                self._h5 = h5py.File(self.path, **_OPEN_KW)
+                self._h5 = open_read(self.path)
                 segment = self._h5["segment"] if self.labels else None
                 self._arrays = (self._h5["coord"], self._h5["energy"], segment)
-            except _H5_ERRORS as exc:
-                raise _fail(Path(self.path), f"cannot be reopened ({exc}); was it changed after loading?") from exc
+            except H5_ERRORS as exc:
+                raise event_file_error(Path(self.path),
+                                       f"cannot be reopened ({exc}); was it changed after loading?") from exc
             self._pid = os.getpid()
         return self._arrays
 
@@ -194,8 +188,8 @@ class LArTPCDataset(Dataset):
             segment = segment_ds[a:b] if segment_ds is not None else np.full(b - a, -1, np.int64)
             return {"coord": coord_ds[a:b], "energy": energy_ds[a:b], "segment": segment,
                     "point_index": np.arange(b - a, dtype=np.int64)}
-        except _H5_ERRORS as exc:
-            raise _fail(Path(self.path), f"event {stored} (rows {a}:{b}) is unreadable: {exc}") from exc
+        except H5_ERRORS as exc:
+            raise event_file_error(Path(self.path), f"event {stored} (rows {a}:{b}) is unreadable: {exc}") from exc
 
     def _augment(
         self, coord: np.ndarray, energy: np.ndarray, segment: np.ndarray, epoch: int, index: int
@@ -367,9 +361,9 @@ class PILArNetDataset(LArTPCDataset):
         if shard not in self._files:
             path = self.shards[shard]
             try:
-                f = h5py.File(path, **_PILARNET_OPEN_KW)
+                f = open_read(path)
                 self._files[shard] = (f, f["point"], f["cluster"])
-            except _H5_ERRORS as exc:
+            except H5_ERRORS as exc:
                 raise DataError(f"PILArNet file {path}: cannot be reopened ({exc}); was it changed after "
                                 "indexing?") from exc
         return self._files[shard][1:]
@@ -383,7 +377,7 @@ class PILArNetDataset(LArTPCDataset):
         path = Path(self.shards[shard])
         try:
             point_row, cluster_row = point_ds[row], cluster_ds[row]
-        except _H5_ERRORS as exc:
+        except H5_ERRORS as exc:
             raise DataError(f"PILArNet file {path}: event {row} is unreadable: {exc}") from exc
         point, cluster = event_arrays(path, row, point_row, cluster_row, self.revision)
         segment = point_labels(cluster, self.label) if self.labels else np.full(len(point), IGNORE_LABEL, np.int64)

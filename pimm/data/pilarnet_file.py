@@ -19,19 +19,18 @@ left after the cut is always out.
 Events with a non-finite x, y, z or energy are found by the same index pass: the launch refuses
 them (naming shard, event and column) unless `skip_nonfinite` leaves them out.
 
-The writer is `pimm.data.synth.write_pilarnet`, the torch reader `pimm.data.dataset.PILArNetDataset`;
-both import their constants from here. The launcher calls `open_pilarnet` (via
-`pimm.data.event_file.validate_data`) before any process starts.
+Shards are written by `write_pilarnet_file` (pimm's generator, `pimm.data.synth.write_pilarnet`,
+writes through it and marks its shards with a `generator` attribute; published shards have none)
+and read by the torch reader `pimm.data.dataset.PILArNetDataset`; both take the layout's constants
+from here. The launcher calls `open_pilarnet` (via `pimm.data.event_file.validate_data`) before
+any process starts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
-import os
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,11 @@ import h5py
 import numpy as np
 
 from pimm import names
+from pimm.data import index_cache
+from pimm.data.hdf5 import H5_ERRORS, open_read
+from pimm.data.index_cache import CHECKED_COLUMNS, NONFINITE_TODO
 from pimm.errors import ConfigError, DataError
+from pimm.files import atomic_path
 
 LAYOUT = "pilarnet"
 POINT_COLUMNS = 8  # x, y, z, energy, time, electrons, dx, and one more
@@ -56,24 +59,14 @@ IGNORE_LABEL = -1
 DEFAULT_SPLIT, DEFAULT_REVISION, DEFAULT_LABEL = "train", "v2", "motif"
 PID_UNLABELLED_AS_NONE = True  # pid -1 -> class 5 "none", as the published v2/v3 readers do
 MIN_POINTS_AFTER_CUT = False  # min_points counts stored points, as the published readers do
-INDEX_SUFFIX = ".pimm-index.npz"  # the cached event index beside each shard
 INDEX_VERSION = 3  # 2: per-cut kept-point counts; no total energy. 3: events with non-finite values
 DATASET_NAMES = ("point", "cluster")  # required; cluster_extra is optional
 
 _FINGERPRINT_BYTES = 1 << 20  # a shard's identity: its size and sha256 of its first and last MiB
 _SCAN_EVENTS = 256  # events per read while indexing: bounded memory, few HDF5 calls
-# published files are never written while read; HDF5 file locks fail on some parallel file systems
-_OPEN_KW = {"mode": "r", "locking": False}
-_H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError)
-_CACHE_ERRORS = (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile)
 _INDEX_KEYS = ("num_points", "label_min", "label_max", "label_counts", "cut_keys", "cut_counts", "nonfinite_rows",
                "nonfinite_columns", "nonfinite_values")
-CHECKED_COLUMNS = ("x coordinate", "y coordinate", "z coordinate", "energy")  # the point columns pimm reads
-NONFINITE_TODO = "fix the file, or set data.<split>.skip_nonfinite=true to leave such events out"
 NO_CUT = (0.0, False)  # (energy_threshold, remove_low_energy_scatters): every stored point kept
-_memory_index: dict[tuple, dict[str, np.ndarray]] = {}  # indexes that could not be written beside their file
-_warned_dirs: set[str] = set()
-log = logging.getLogger("pimm")
 
 
 def synth_pilarnet_command(path: str | Path = "DIR") -> str:
@@ -183,6 +176,27 @@ def point_labels(clusters: np.ndarray, label: str) -> np.ndarray:
     return np.repeat(clusters[:, LABEL_COLUMNS[label]], clusters[:, SIZE_COLUMN])
 
 
+def write_pilarnet_file(path: str | Path, events: list[dict[str, np.ndarray]],
+                        point_dtype: np.dtype | type = np.float32, cluster_dtype: np.dtype | type = np.int64,
+                        attrs: dict[str, Any] | None = None) -> Path:
+    """Write events ({"point": (N, 8), "cluster": (K, 5|6)[, "cluster_extra": (K, 5|6)]}) as one shard:
+    one variable-length row per event in `point`, `cluster` (and `cluster_extra` when every event
+    has one), `attrs` as the file's attributes. The file appears complete in one rename with the
+    permissions the umask gives (`pimm.files.atomic_path`), or not at all. Returns the path; OSError
+    when it cannot be written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    datasets = [*DATASET_NAMES, *(["cluster_extra"] if all("cluster_extra" in e for e in events) else [])]
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        for name in datasets:
+            dtype = np.dtype({"point": point_dtype, "cluster": cluster_dtype}.get(name, np.float32))
+            d = f.create_dataset(name, shape=(len(events),), dtype=h5py.vlen_dtype(dtype))
+            for i, event in enumerate(events):
+                d[i] = np.asarray(event[name], dtype=dtype).ravel()
+        f.attrs.update(attrs or {})
+    return path
+
+
 # ----------------------------------------------------------------------------- the per-file index
 
 
@@ -251,7 +265,7 @@ def _scan(path: Path, revision: str, cuts: list[tuple[float, bool]]) -> dict[str
     of `cuts`; per-file point counts of each label value (-1, 0.., and 'out of range' last); the
     events with a non-finite coordinate or energy (row, CHECKED_COLUMNS index and value of the first)."""
     bins = len(PID_NAMES) + 2
-    with h5py.File(path, **_OPEN_KW) as f:
+    with open_read(path) as f:
         point_ds, cluster_ds = _vlen_datasets(f, path)
         n = len(point_ds)
         num_points, cut_counts = np.zeros(n, np.int64), np.zeros((len(cuts), n), np.int64)
@@ -290,14 +304,9 @@ def _fingerprint(path: Path, size: int) -> str:
     return h.hexdigest()
 
 
-def index_path(shard: Path) -> Path:
-    """Where the event index of `shard` is cached."""
-    return shard.with_name(shard.name + INDEX_SUFFIX)
-
-
 def _count_kept(path: Path, revision: str, cut: tuple[float, bool]) -> np.ndarray:
     """Points each event keeps under `cut`: one more pass over the shard, for a cut not yet indexed."""
-    with h5py.File(path, **_OPEN_KW) as f:
+    with open_read(path) as f:
         point_ds, cluster_ds = _vlen_datasets(f, path)
         counts = np.zeros(len(point_ds), np.int64)
         for row, points, clusters in _stored_events(path, point_ds, cluster_ds, revision):
@@ -305,39 +314,17 @@ def _count_kept(path: Path, revision: str, cut: tuple[float, bool]) -> np.ndarra
     return counts
 
 
-def _load_index(cache: Path, stamp: np.ndarray, revision: str) -> dict[str, Any] | None:
-    try:
-        with np.load(cache, allow_pickle=False) as z:
-            if np.array_equal(z["stamp"], stamp) and str(z["revision"]) == revision:
-                return {**{k: z[k] for k in _INDEX_KEYS}, "fingerprint": str(z["fingerprint"])}
-    except _CACHE_ERRORS:
-        pass  # none yet, or a corrupt, older or foreign one: build it
-    return None
-
-
-def store_index(data: Path, key: tuple, arrays: dict[str, np.ndarray], index: dict[str, Any]) -> None:
-    """Write `arrays` as the index beside the data file `data` (`index_path`) atomically; where
-    that fails keep `index` in this process under `key`, with one warning per directory.
-    pimm event files (pimm.data.event_file) cache their scan this way too."""
-    cache = index_path(data)
-    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            np.savez(fh, **arrays)
-        os.replace(tmp, cache)  # readers see the old index or the whole new one, never a partial file
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        _memory_index[key] = index
-        if str(data.parent) not in _warned_dirs:
-            _warned_dirs.add(str(data.parent))
-            log.warning("pimm: cannot cache event indexes in %s (%s); keeping them in memory, so every "
-                        "process reads its data files once more", data.parent, exc)
+def _load_index(shard: Path, stamp: np.ndarray, revision: str) -> dict[str, Any] | None:
+    cached = index_cache.load_arrays(shard, ("stamp", "revision", "fingerprint", *_INDEX_KEYS))
+    if cached is None or not np.array_equal(cached["stamp"], stamp) or str(cached["revision"]) != revision:
+        return None
+    return {**{k: cached[k] for k in _INDEX_KEYS}, "fingerprint": str(cached["fingerprint"])}
 
 
 def _store_index(shard: Path, key: tuple, stamp: np.ndarray, revision: str, index: dict[str, Any]) -> None:
-    store_index(shard, key, {"stamp": stamp, "revision": np.array(revision),
-                             "fingerprint": np.array(index["fingerprint"]), **{k: index[k] for k in _INDEX_KEYS}},
-                index)
+    index_cache.store(shard, key, {"stamp": stamp, "revision": np.array(revision),
+                                   "fingerprint": np.array(index["fingerprint"]),
+                                   **{k: index[k] for k in _INDEX_KEYS}}, index)
 
 
 def shard_index(shard: Path, revision: str, cut: tuple[float, bool] = NO_CUT) -> dict[str, Any]:
@@ -353,7 +340,7 @@ def shard_index(shard: Path, revision: str, cut: tuple[float, bool] = NO_CUT) ->
     stamp = np.array([INDEX_VERSION, st.st_size, st.st_mtime_ns], np.int64)
     key = (str(shard), revision, *stamp.tolist())
     cut = (float(cut[0]), bool(cut[1]))
-    index = _memory_index.get(key) or _load_index(index_path(shard), stamp, revision)
+    index = index_cache.in_memory(key) or _load_index(shard, stamp, revision)
     try:
         if index is None:
             index = {**_scan(shard, revision, [cut]), "fingerprint": _fingerprint(shard, st.st_size)}
@@ -364,7 +351,7 @@ def shard_index(shard: Path, revision: str, cut: tuple[float, bool] = NO_CUT) ->
             return _with_kept(index, cut)
     except DataError:
         raise
-    except _H5_ERRORS as exc:
+    except H5_ERRORS as exc:
         raise _fail(shard, f"unreadable ({type(exc).__name__}: {exc}); the file is truncated or corrupt") from exc
     if shard.stat().st_mtime_ns != st.st_mtime_ns:
         raise _fail(shard, "changed while it was being indexed", "wait until it is completely written")
@@ -502,7 +489,7 @@ def detect_revision(path: str | Path, split: str = DEFAULT_SPLIT) -> str:
     values per cluster (mass, momentum, vertex x/y/z, is_primary), else v2 (5 per cluster)."""
     _, shards = find_shards(path, split)
     try:
-        with h5py.File(shards[0], **_OPEN_KW) as f:
+        with open_read(shards[0]) as f:
             if "cluster_extra" not in f:
                 return "v1"
             cluster, extra = f["cluster"], f["cluster_extra"]
@@ -511,7 +498,7 @@ def detect_revision(path: str | Path, split: str = DEFAULT_SPLIT) -> str:
                 if clusters:
                     return "v3" if extra[row].size == clusters * EXTRA_COLUMNS["v3"] else "v2"
             return "v2"
-    except _H5_ERRORS as exc:
+    except H5_ERRORS as exc:
         raise _fail(shards[0], f"not a readable HDF5 file: {exc}") from exc
 
 
@@ -521,9 +508,9 @@ def is_pilarnet(path: str | Path) -> bool:
     if path.is_dir():
         return True
     try:
-        with h5py.File(path, **_OPEN_KW) as f:
+        with open_read(path) as f:
             return "point" in f and "format" not in f.attrs
-    except _H5_ERRORS:
+    except H5_ERRORS:
         return False
 
 

@@ -17,7 +17,10 @@ Layout (format "pimm-predictions", version 1):
   unlabelled data), optional `scores` float16 (P, C) softmax.
 
 A writer fills `<path>.partial` and only `close()` moves it to `<path>`, after setting
-complete=True, so a killed writer never leaves a file that looks complete. Each rank of a
+complete=True, so a killed writer never leaves a file that looks complete. (That name is part of
+the format: readers recognise an unfinished writer by it, so the writer keeps it rather than
+`pimm.files.atomic_path`'s hidden name; h5py creates the file with 0666 & ~umask, which the
+rename keeps, so the file's permissions follow the umask.) Each rank of a
 multi-rank evaluation writes its own part; `merge_predictions` streams the parts into one file.
 """
 
@@ -25,13 +28,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 
+from pimm.data.hdf5 import H5_ERRORS, open_read
 from pimm.errors import DataError
 
 FORMAT = "pimm-predictions"
@@ -55,8 +59,6 @@ _POINT_DATASETS = {
 }
 _EVENT_DTYPES = {"event_id": np.dtype("<i8"), "source": np.dtype("<i4"), "source_index": np.dtype("<i8"),
                  "offset": np.dtype("<i8")}
-_H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError)
-_OPEN_KW = {"mode": "r", "locking": False}  # complete files are never written again: no locks needed
 
 
 def partial_path(path: str | Path) -> Path:
@@ -282,9 +284,21 @@ class Predictions:
             for name in _POINT_DATASETS:
                 if name in self.file:
                     out[name] = self.file[name][a:b]
-        except _H5_ERRORS as exc:
+        except H5_ERRORS as exc:
             raise _fail(self.path, f"event {event_id} (rows {a}:{b}) is unreadable: {exc}") from exc
         return out
+
+    def labelled_points(self, rows: int = _WINDOW_ROWS) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(truth, prediction) int64 arrays of every point in stored order, `rows` points at a time
+        (bounded memory); DataError for a file without truth labels."""
+        if not self.has_labels:
+            raise _fail(self.path, "has no truth labels (written from unlabelled data); metrics need them")
+        segment, pred = self.file["segment"], self.file["pred"]
+        try:
+            for lo in range(0, self.num_points, rows):
+                yield segment[lo : lo + rows].astype(np.int64), pred[lo : lo + rows].astype(np.int64)
+        except H5_ERRORS as exc:
+            raise _fail(self.path, f"points {lo}.. are unreadable: {exc}") from exc
 
     def close(self) -> None:
         self.file.close()
@@ -302,9 +316,9 @@ def is_predictions(path: str | Path) -> bool:
     if not path.exists():
         return partial_path(path).exists()
     try:
-        with h5py.File(path, **_OPEN_KW) as f:
+        with open_read(path) as f:
             return _text(f.attrs.get("format", "")) == FORMAT
-    except _H5_ERRORS:
+    except H5_ERRORS:
         return False
 
 
@@ -323,8 +337,8 @@ def _open(path: Path, require_complete: bool) -> Predictions:
     if path.is_dir():
         raise _fail(path, "is a directory, not a pimm predictions file")
     try:
-        f = h5py.File(path, **_OPEN_KW)
-    except _H5_ERRORS as exc:
+        f = open_read(path)
+    except H5_ERRORS as exc:
         hint = " (a partial file whose writer did not finish?)" if path.name.endswith(PARTIAL_SUFFIX) else ""
         raise _fail(path, f"not a readable HDF5 file{hint}: {exc}") from exc
     try:
@@ -332,7 +346,7 @@ def _open(path: Path, require_complete: bool) -> Predictions:
     except DataError:
         f.close()
         raise
-    except _H5_ERRORS as exc:
+    except H5_ERRORS as exc:
         f.close()
         raise _fail(path, f"unreadable ({type(exc).__name__}: {exc}); the file is truncated or corrupt") from exc
     return preds
@@ -509,38 +523,3 @@ def _gather(parts: list[Predictions], part_of: np.ndarray, row_of: np.ndarray, n
     index = np.repeat(start_in_buffer - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + np.arange(
         int(lengths.sum()))
     return {n: np.concatenate(buffers[n])[index] for n in names}
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-def metrics_from_predictions(path: str | Path, ignore_index: int = IGNORE_LABEL) -> dict[str, Any]:
-    """Segmentation metrics recomputed from a labelled prediction file, reading it in chunks:
-    {confusion (C x C, rows truth, columns prediction), iou, miou, accuracy, events, points}, the
-    same numbers `pimm.engine.metrics` computes during evaluation (points labelled
-    `ignore_index` are left out)."""
-    import torch
-
-    from pimm.engine.metrics import metrics_from_confusion
-
-    with open_predictions(path) as preds:
-        if not preds.has_labels:
-            raise _fail(preds.path, "has no truth labels (written from unlabelled data); metrics need them")
-        c = preds.num_classes
-        confusion = np.zeros(c * c, np.int64)
-        pred_ds, segment_ds = preds.file["pred"], preds.file["segment"]
-        for lo in range(0, preds.num_points, _WINDOW_ROWS):
-            truth = segment_ds[lo : lo + _WINDOW_ROWS].astype(np.int64)
-            pred = pred_ds[lo : lo + _WINDOW_ROWS].astype(np.int64)
-            keep = truth != ignore_index
-            truth, pred = truth[keep], pred[keep]
-            bad = (truth < 0) | (truth >= c)
-            if bad.any():
-                raise _fail(preds.path, f"truth label {int(truth[bad][0])} is outside 0..{c - 1} and is not "
-                            f"ignore_index={ignore_index}")
-            confusion += np.bincount(truth * c + pred, minlength=c * c)
-        events = preds.num_events
-    matrix = confusion.reshape(c, c)
-    metrics = metrics_from_confusion(torch.from_numpy(matrix).double(), 0.0, events)
-    del metrics["loss"]  # prediction files hold no losses
-    return {"confusion": matrix.tolist(), **metrics}

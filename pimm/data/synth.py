@@ -1,4 +1,5 @@
-"""Synthetic LArTPC events: a physics-inspired generator and the HDF5 writer for pimm event files.
+"""Synthetic LArTPC events: a physics-inspired generator, written in pimm's event format
+(`pimm.data.event_format`) or in PILArNet-M's layout (`pimm.data.pilarnet_file`) through their modules.
 
 An event is a set of 3D points (one per ~3 mm voxel pitch unit) with a deposited energy (MeV)
 and one of five PILArNet semantic labels. Objects are drawn as in a liquid-argon TPC image:
@@ -6,53 +7,44 @@ tracks (muons, protons) with multiple scattering and a Bragg peak, Michel electr
 muon ends, delta rays branching off tracks, electromagnetic showers as branching cascades, and
 isolated low-energy blips. Every event is a pure function of (seed, index).
 
-File layout (format "pimm-events", version 1): flat datasets `coord` (N,3) float32,
-`energy` (N,) float32, `segment` (N,) uint8 and `offsets` (E+1,) int64, event i being rows
-offsets[i]:offsets[i+1]. `write_pilarnet` writes the same events in PILArNet-M's layout (one
-cluster per object; see pimm.data.pilarnet_file).
+Every file written here carries the attribute `generator` = GENERATOR: `write_dataset` and
+`write_pilarnet` never replace an existing file unless asked (`overwrite`), and then only one
+they wrote.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 
-import h5py
 import numpy as np
 
-from pimm.data.pilarnet_file import CLUSTER_COLUMNS, EXTRA_COLUMNS, POINT_COLUMNS, VOLUME_SIZE
+from pimm.data.event_format import CLASS_NAMES, DETECTOR_SIZE, write_event_file
+from pimm.data.hdf5 import text_attribute
+from pimm.data.pilarnet_file import (
+    CLUSTER_COLUMNS,
+    EXTRA_COLUMNS,
+    POINT_COLUMNS,
+    VOLUME_SIZE,
+    write_pilarnet_file,
+)
 from pimm.errors import DataError
+from pimm.files import os_error_reason
 
-CLASS_NAMES = ("shower", "track", "michel", "delta", "low_energy")
 SHOWER, TRACK, MICHEL, DELTA, LOW_ENERGY = range(len(CLASS_NAMES))
 PHOTON, ELECTRON, MUON, PION, PROTON = range(5)  # pilarnet_file.PID_NAMES
 NO_PID = -1  # PILArNet-M's particle type of low-energy deposits
-DETECTOR_SIZE = 256.0
 VOXELS = int(VOLUME_SIZE)  # the PILArNet-M layout's voxel cube: 768 per side
 PILARNET_SPREAD = 1.0  # voxels: the Gaussian offsets of a densified event's point copies
 _MAX_COPIES = 32
 _PID_MASS_MEV = (0.0, 0.511, 105.66, 139.57, 938.27)  # photon, electron, muon, pion, proton
 
-FORMAT = "pimm-events"
-FORMAT_VERSION = 1
-GENERATOR = "pimm.data.synth"
+GENERATOR = "pimm.data.synth"  # the `generator` attribute of every file written here
 GENERATOR_VERSION = 1
 PILARNET_GENERATOR_VERSION = 2  # 2: integer voxels in a 768 cube, cluster ids -1 for blips, shower fragments
-DATASET_NAMES = ("coord", "energy", "segment", "offsets")
-CHUNK_ROWS = 4096  # measured fastest for random event reads (vs 1k/16k/64k); lzf saved only 3%, so none
 
 _UNIT_CM = 0.3  # one coordinate unit is a ~3 mm voxel pitch
 _MIP_DEDX = 2.1  # MeV/cm deposited by a minimum-ionising particle in liquid argon
-_DTYPES = {"coord": np.dtype("<f4"), "energy": np.dtype("<f4"), "segment": np.dtype("u1"), "offsets": np.dtype("<i8")}
-
-
-
-
-def synth_command(path: str | Path = "PATH") -> str:
-    """The CLI command that (re)generates an event file at `path`, for error messages."""
-    return f"`pimm data synth --out {path} --events N --seed S`"
 
 
 # ----------------------------------------------------------------------------- geometry helpers
@@ -302,24 +294,6 @@ def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- files
 
 
-class _ContentHasher:
-    """Streams the four arrays' raw little-endian bytes into one sha256 per array.
-
-    content_hash = sha256(sha256(coord) || sha256(energy) || sha256(segment) || sha256(offsets)),
-    the inner digests being raw 32-byte digests of each array's C-order bytes. Per-array
-    streams let the writer hash rows as it writes them, in any interleaving.
-    """
-
-    def __init__(self) -> None:
-        self._h = {name: hashlib.sha256() for name in DATASET_NAMES}
-
-    def update(self, name: str, array: np.ndarray) -> None:
-        self._h[name].update(np.ascontiguousarray(array, dtype=_DTYPES[name]).data)
-
-    def hexdigest(self) -> str:
-        return hashlib.sha256(b"".join(self._h[name].digest() for name in DATASET_NAMES)).hexdigest()
-
-
 def _check_int(value: object, name: str, minimum: int) -> int:
     """`value` as an int >= minimum, else a DataError naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
@@ -327,78 +301,50 @@ def _check_int(value: object, name: str, minimum: int) -> int:
     return int(value)
 
 
-def write_dataset(path: str | Path, num_events: int, seed: int) -> Path:
-    """Generate events 0..num_events-1 of `seed` into a pimm event file at `path`; returns the path.
+def written_here(path: str | Path) -> bool:
+    """Whether `path` is an HDF5 file this generator wrote (its `generator` attribute is GENERATOR)."""
+    return text_attribute(path, "generator") == GENERATOR
 
-    The file is written to `<path>.h5.tmp` beside it and moved into place only when complete,
-    so a crash never leaves a half-written file under the final name.
-    """
+
+def _check_targets(paths: list[Path], overwrite: bool) -> None:
+    """DataError for an existing file among `paths`, unless `overwrite` and the generator wrote it."""
+    for path in paths:
+        if not os.path.lexists(path):
+            continue
+        if path.is_dir():
+            raise DataError(f"--out {path} is a directory; give the path of a .h5 file to write")
+        if not overwrite:
+            raise DataError(f"{path} exists; pimm data synth does not replace files unasked: give a new --out, or "
+                            "add --overwrite to replace a file pimm data synth wrote")
+        if not written_here(path):
+            raise DataError(f"{path} exists and pimm data synth did not write it (it has no generator attribute "
+                            f"{GENERATOR!r}); --overwrite only replaces generated files: give another --out, or "
+                            "move that file away yourself")
+
+
+def _cannot_write(path: Path, exc: OSError) -> DataError:
+    """One line: which file could not be written, why, and what to do."""
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    reason = f"{blocker} is a file, not a directory" if blocker is not None else os_error_reason(exc)
+    return DataError(f"cannot write {path}: {reason}; give a --out in a writable directory")
+
+
+def write_dataset(path: str | Path, num_events: int, seed: int, overwrite: bool = False) -> Path:
+    """Generate events 0..num_events-1 of `seed` into a pimm event file at `path` (through
+    `pimm.data.event_format.write_event_file`: complete or not at all); returns the path.
+
+    An existing `path` is a DataError, unless `overwrite` and this generator wrote it; so is a path
+    that cannot be written (one line: the path, the reason, what to do)."""
     num_events = _check_int(num_events, "the number of events", 1)
     seed = _check_int(seed, "the seed", 0)
     path = Path(path)
+    _check_targets([path], overwrite)
+    events = (generate_event(seed, i) for i in range(num_events))
+    attrs = {"generator": GENERATOR, "generator_version": GENERATOR_VERSION, "seed": seed}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        return write_event_file(path, events, attrs)
     except OSError as exc:
-        raise DataError(f"cannot create the directory for {path}: {exc}; choose a writable --out path") from exc
-    tmp = path.with_suffix(".h5.tmp")
-    hasher = _ContentHasher()
-    offsets = np.zeros(num_events + 1, dtype=np.int64)
-    try:
-        with h5py.File(tmp, "w") as f:
-            ds = {
-                "coord": f.create_dataset(
-                    "coord", shape=(0, 3), maxshape=(None, 3), dtype=_DTYPES["coord"], chunks=(CHUNK_ROWS, 3)
-                ),
-                "energy": f.create_dataset(
-                    "energy", shape=(0,), maxshape=(None,), dtype=_DTYPES["energy"], chunks=(CHUNK_ROWS,)
-                ),
-                "segment": f.create_dataset(
-                    "segment", shape=(0,), maxshape=(None,), dtype=_DTYPES["segment"], chunks=(CHUNK_ROWS,)
-                ),
-            }
-            pending: dict[str, list[np.ndarray]] = {name: [] for name in ds}
-            pending_rows = 0
-            written = 0
-
-            def flush() -> None:
-                nonlocal pending_rows, written
-                for name, d in ds.items():
-                    block = np.concatenate(pending[name])
-                    d.resize(written + len(block), axis=0)
-                    d[written:] = block
-                    hasher.update(name, block)
-                    pending[name] = []
-                written += pending_rows
-                pending_rows = 0
-
-            for i in range(num_events):
-                event = generate_event(seed, i)
-                for name in ds:
-                    pending[name].append(event[name])
-                pending_rows += len(event["segment"])
-                offsets[i + 1] = offsets[i] + len(event["segment"])
-                if pending_rows >= 8 * CHUNK_ROWS:  # write whole chunks at a time
-                    flush()
-            if pending_rows:
-                flush()
-            f.create_dataset("offsets", data=offsets)
-            hasher.update("offsets", offsets)
-            f.attrs["format"] = FORMAT
-            f.attrs["format_version"] = FORMAT_VERSION
-            f.attrs["generator"] = GENERATOR
-            f.attrs["generator_version"] = GENERATOR_VERSION
-            f.attrs["seed"] = seed
-            f.attrs["num_events"] = num_events
-            f.attrs["class_names"] = json.dumps(list(CLASS_NAMES))
-            f.attrs["content_hash"] = hasher.hexdigest()
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise DataError(f"cannot write the event file {path}: {exc}; choose a writable --out path") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # never leave a partial temp file behind (also on Ctrl-C)
-        raise
-    return path
+        raise _cannot_write(path, exc) from exc
 
 
 # ----------------------------------------------------------------------------- the PILArNet-M layout
@@ -490,102 +436,45 @@ def pilarnet_event(seed: int, index: int, revision: str = "v2", points_per_event
     return {"point": point, "cluster": np.stack(columns, axis=1).astype(np.int64), **out}
 
 
-def write_pilarnet_file(
-    path: str | Path,
-    events: list[dict[str, np.ndarray]],
-    point_dtype: np.dtype | type = np.float32,
-    cluster_dtype: np.dtype | type = np.int64,
-    attrs: dict | None = None,
-) -> Path:
-    """Write events ({"point": (N, 8), "cluster": (K, C)[, "cluster_extra": (K, 5|6)]}) as one PILArNet-M
-    shard: flat variable-length rows in `point`, `cluster` (and `cluster_extra` when every event has
-    one). Written beside `path` and moved into place when complete; returns the path."""
-    path = Path(path)
-    tmp = path.with_suffix(".h5.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with h5py.File(tmp, "w") as f:
-            names = ["point", "cluster"] + (["cluster_extra"] if all("cluster_extra" in e for e in events) else [])
-            for name in names:
-                dtype = {"point": point_dtype, "cluster": cluster_dtype}.get(name, np.float32)
-                d = f.create_dataset(name, shape=(len(events),), dtype=h5py.vlen_dtype(np.dtype(dtype)))
-                for i, event in enumerate(events):
-                    d[i] = np.asarray(event[name], dtype=dtype).ravel()
-            f.attrs.update(attrs or {})
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise DataError(f"cannot write the PILArNet file {path}: {exc}; choose a writable --out path") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
 def write_pilarnet(
     out: str | Path, num_events: int, seed: int, revision: str = "v2", shards: int = 1, split: str = "train",
-    points_per_event: int | None = None,
+    points_per_event: int | None = None, overwrite: bool = False,
 ) -> list[Path]:
     """Generate events 0..num_events-1 of `seed` in the PILArNet-M layout (`pilarnet_event`, about
-    `points_per_event` points each when given); returns the shard paths.
+    `points_per_event` points each when given), each shard written through
+    `pimm.data.pilarnet_file.write_pilarnet_file`; returns the shard paths.
 
     `out` ending in .h5 is one file; otherwise shards go to `<out>/<split>/<split>_NNN.h5`, events
-    split evenly between them in order (read back with path=out, split=split)."""
+    split evenly between them in order (read back with path=out, split=split). An existing shard
+    is a DataError unless `overwrite` and this generator wrote it, and so is another .h5 file in
+    `<out>/<split>`, which a reader would mix with the new shards."""
     num_events = _check_int(num_events, "the number of events", 1)
     seed = _check_int(seed, "the seed", 0)
     shards = _check_int(shards, "the number of shards", 1)
     if points_per_event is not None:
         points_per_event = _check_int(points_per_event, "--points-per-event", 1)
+    if revision not in CLUSTER_COLUMNS:
+        raise DataError(f"revision {revision!r} is unknown; use one of {', '.join(CLUSTER_COLUMNS)}")
     out = Path(out)
     if out.suffix == ".h5" and shards > 1:
         raise DataError(f"--out {out} is one file but --shards is {shards}; give a directory for several shards")
     if shards > num_events:
         raise DataError(f"{shards} shards need at least as many events, got {num_events}")
     paths = [out] if out.suffix == ".h5" else [out / split / f"{split}_{i:03d}.h5" for i in range(shards)]
+    _check_targets(paths, overwrite)
+    if out.suffix != ".h5" and (out / split).is_dir():
+        others = sorted(p.name for p in (out / split).glob("*.h5") if p not in paths)
+        if others:
+            raise DataError(f"{out / split} also holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}, "
+                            f"which a reader of {out} would mix with the {shards} new shard(s); move them away or "
+                            "give another --out")
     written = []
     for shard, indices in zip(paths, np.array_split(np.arange(num_events), shards)):
         events = [pilarnet_event(seed, int(i), revision, points_per_event) for i in indices]
         attrs = {"generator": GENERATOR, "generator_version": PILARNET_GENERATOR_VERSION, "seed": seed,
                  "revision": revision, "first_event": int(indices[0]), "points_per_event": int(points_per_event or 0)}
-        written.append(write_pilarnet_file(shard, events, attrs=attrs))
+        try:
+            written.append(write_pilarnet_file(shard, events, attrs=attrs))
+        except OSError as exc:
+            raise _cannot_write(shard, exc) from exc
     return written
-
-
-def compute_content_hash(path: str | Path) -> str:
-    """Recompute the content hash of an event file from its stored arrays (see `_ContentHasher`)."""
-    hasher = _ContentHasher()
-    with h5py.File(path, "r") as f:
-        for name in DATASET_NAMES:
-            d = f[name]
-            step = 64 * CHUNK_ROWS
-            for lo in range(0, d.shape[0], step):
-                hasher.update(name, d[lo : lo + step])
-    return hasher.hexdigest()
-
-
-def describe(path: str | Path) -> dict:
-    """Summary of an event file: {path, num_events, num_points, seed, content_hash, class_counts}."""
-    from pimm.data.dataset import validate_event_file  # local import: dataset imports this module
-
-    info = validate_event_file(path)
-    counts = np.zeros(len(CLASS_NAMES), dtype=np.int64)
-    try:
-        with h5py.File(info["path"], "r") as f:
-            seg = f["segment"]
-            num_points = int(seg.shape[0])
-            seed = int(f.attrs["seed"]) if "seed" in f.attrs else None
-            step = 64 * CHUNK_ROWS
-            for lo in range(0, num_points, step):
-                counts += np.bincount(seg[lo : lo + step], minlength=len(CLASS_NAMES))[: len(CLASS_NAMES)]
-    except (OSError, KeyError, ValueError) as exc:
-        raise DataError(
-            f"cannot read the event file {info['path']}: {exc}; regenerate it with {synth_command(info['path'])}"
-        ) from exc
-    return {
-        "path": info["path"],
-        "num_events": info["num_events"],
-        "num_points": num_points,
-        "seed": seed,
-        "content_hash": info["content_hash"],
-        "class_counts": {name: int(c) for name, c in zip(CLASS_NAMES, counts)},
-    }

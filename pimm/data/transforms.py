@@ -1,4 +1,4 @@
-"""Point-cloud transforms of `data.<split>.transforms` (numpy only; no torch, no h5py).
+"""Point-cloud transforms of `data.<split>.transforms` (numpy arrays in and out; no torch).
 
 An event is a dict of per-point arrays: coord (N,3) float, energy (N,), segment (N,) and
 point_index (N,) int64 (each point's index in the stored event, so predictions of a transformed
@@ -26,6 +26,8 @@ import numpy as np
 
 from pimm import names
 from pimm.config.validate import check_transforms
+from pimm.data.event_format import DETECTOR_SIZE
+from pimm.data.pilarnet_file import VOLUME_SIZE
 
 Event = dict[str, np.ndarray]
 DEFAULT_FEATURES = names.FEATURE_MODES[0]  # "pimm"; "published": the published PILArNet-M normalisation
@@ -229,9 +231,6 @@ def preprocessing(data: dict) -> dict[str, Any]:
     (data.test, else val, else train) dataset type, features mode, energy_scale and volume_size, and
     the transforms of data.test or data.val (never train's random augmentation). `pimm export`
     records it in config.json; `pimm predict` reads new data with it."""
-    from pimm.data.pilarnet_file import VOLUME_SIZE
-    from pimm.data.synth import DETECTOR_SIZE
-
     readers = [data.get(split) for split in ("test", "val", "train")]
     reader = next((r for r in readers if isinstance(r, dict)), {})
     kind = reader.get("type", "LArTPCDataset")

@@ -1,30 +1,29 @@
-"""Evaluation: the one loop that validation during training and `pimm test` share, and the rank
-side of `pimm test` (`python -m pimm.engine.evaluation --eval-dir D`, started by torchrun).
+"""Evaluation: the one loop over an evaluation loader that validation during training, `pimm test`
+and `pimm predict` share, and the rank side of the last two (`python -m pimm.engine.evaluation
+--eval-dir D`, started by torchrun from pimm.launch.evaluate).
 
 Every event is evaluated exactly once over the ranks (ShardedEvalSampler). Metrics come from an
 int64 confusion matrix all-reduced over ranks, so they are the same at any world size; the loss
-is a float64 sum. The evaluation directory D, prepared by `pimm test` (pimm.cli.evaluate), holds
-eval.json (split, weights, flags) and config.py; rank 0 writes the results into it:
+is a float64 sum. The evaluation directory D (pimm.engine.eval_dir) holds eval.json (split, the
+held weights, flags) and config.py; rank 0 writes the results into it:
 
-    test_metrics.json  every metric (pimm.engine.metrics.metrics_from_confusion) and the spec
+    test_metrics.json  every metric (pimm.tasks.metrics.metrics_from_confusion) and the spec
     test_metrics.csv   one row per class and one "overall" row
     confusion.json     integer counts, rows = truth, columns = prediction, with the class names
     confusion.png      the row-normalised confusion matrix, annotated
     provenance.json    weights sha256, data identity, world size, strategy, pimm version, time
     predictions.h5     with --save-predictions (pimm.data.predictions; scores with --save-scores)
 
-`pimm predict` (pimm.cli.predict) starts the same entry point with a spec whose "predict" is true:
-the plain model over unlabelled events, every event once, and only the merged predictions file
-(no segment, no loss, no metrics) written to the spec's "out".
+`pimm predict` starts the same entry point with a spec whose "predict" is true: the plain model
+over unlabelled events, every event once, and only the merged predictions file (no segment, no
+loss, no metrics) written to the spec's "out".
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import io
-import json
 import logging
 import os
 import sys
@@ -35,27 +34,53 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pimm import __version__
+from pimm.checkpoint.weights import load_weight_file
+from pimm.config import config_hash, read_run_config
 from pimm.data.collate import collate_events
+from pimm.data.dataset import build_dataset
+from pimm.data.event_file import validate_data
+from pimm.data.predictions import PredictionWriter, merge_predictions
 from pimm.data.sampler import ShardedEvalSampler
-from pimm.distributed.env import all_reduce_max
-from pimm.signals import loader_workers_forked
+from pimm.distributed.batch import plan_batches
+from pimm.distributed.env import DistEnv, all_reduce_max, barrier, destroy_distributed, init_distributed
+from pimm.distributed.strategy import build_strategy
+from pimm.engine.eval_dir import EVAL_SPEC, METRICS_FILE, PREDICTIONS_FILE, read_spec
+from pimm.engine.failure import exit_now, report_failure
+from pimm.engine.logs import setup_logging
+from pimm.engine.plot import plot_confusion
+from pimm.files import write_atomic
+from pimm.json_io import dumps
+from pimm.models import build_model
+from pimm.signals import die_with_parent, loader_workers_forked
+from pimm.tasks import build_task
 
 log = logging.getLogger("pimm")
 
-EVAL_SPEC = "eval.json"
-METRICS_FILE = "test_metrics.json"
-PREDICTIONS_FILE = "predictions.h5"
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The collated batch's tensors on `device` (asynchronous from pinned loader memory)."""
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def over_batches(loader, device: torch.device, step: Callable[[dict], None]) -> None:
+    """The evaluation loop: every batch of `loader`, on `device`, handed to `step`. The loader's
+    workers are started with stop signals blocked (pimm.signals.loader_workers_forked)."""
+    with loader_workers_forked():
+        batches = iter(loader)
+    for batch in batches:
+        step(to_device(batch, device))
 
 
 @torch.no_grad()
 def evaluate_events(module: torch.nn.Module, strategy, task, dataset, loader, sampler: ShardedEvalSampler,
                     device: torch.device, autocast_dtype: torch.dtype | None = None,
-                    on_batch: Callable[[dict, object], None] | None = None) -> dict:
+                    on_batch: Callable[[dict, torch.Tensor], None] | None = None) -> dict:
     """Run `task.forward_loss` of the strategy's evaluation module over this rank's batches of
     `loader` (drawn by `sampler`) and return the task meter's metrics, reduced over all ranks (a
     collective: every rank calls it). With a lockstep strategy (FSDP2) a rank with fewer batches
-    runs masked forwards until all ranks ran as many. `on_batch(batch, output)` sees each counted
-    batch (on `device`) and its TaskOutput. Leaves the module in eval mode."""
+    runs masked forwards until all ranks ran as many. `on_batch(batch, logits)` sees each counted
+    batch (on `device`) and its per-point logits. Leaves the module in eval mode."""
     model = strategy.eval_module(module)
     model.eval()
     meter = task.make_meter(device)
@@ -64,21 +89,19 @@ def evaluate_events(module: torch.nn.Module, strategy, task, dataset, loader, sa
         with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
             return task.forward_loss(model, batch)
 
-    with loader_workers_forked():
-        batches = iter(loader)
-    for batch in batches:
-        batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    def step(batch: dict) -> None:
         output = forward(batch)
         meter.update(output, batch)
         if on_batch is not None:
-            on_batch(batch, output)
+            on_batch(batch, output.prediction)
+
+    over_batches(loader, device, step)
     if strategy.lockstep_eval:
         # the sharded forward is a collective: a rank with fewer batches runs masked ones (not
         # counted) until every rank has run as many forwards as the busiest one
         most = all_reduce_max(torch.tensor([len(sampler)], device=device)).item()
         for _ in range(int(most) - len(sampler)):
-            padding = collate_events([dataset[0]])
-            forward({key: value.to(device) for key, value in padding.items()})
+            forward(to_device(collate_events([dataset[0]]), device))
     return meter.compute()
 
 
@@ -107,16 +130,14 @@ def prediction_writer(path: Path, dataset, cfg: dict, split: str, save_scores: b
     """(PredictionWriter of this rank's part, on_batch callback adding each batch's events to it);
     without labels (`pimm predict`) the file has no `segment`. Parts are written uncompressed:
     rank 0's merge reads them once and compresses the merged file."""
-    from pimm.data.predictions import PredictionWriter
-
     num_classes = int(cfg["data"]["num_classes"])
     names = list(cfg["data"].get("names") or [str(i) for i in range(num_classes)])
     sources, locate = prediction_sources(dataset)
     writer = PredictionWriter(path, num_classes=num_classes, class_names=names, split=split, sources=sources,
                               save_scores=save_scores, has_labels=has_labels, attrs=attrs, compress=False)
 
-    def add(batch: dict, output) -> None:
-        logits = output.prediction.float()
+    def add(batch: dict, logits: torch.Tensor) -> None:
+        logits = logits.float()
         pred = logits.argmax(1).cpu().numpy()
         scores = torch.softmax(logits, 1).half().cpu().numpy() if save_scores else None
         coord = batch["coord"].cpu().numpy()
@@ -132,13 +153,6 @@ def prediction_writer(path: Path, dataset, cfg: dict, split: str, save_scores: b
 
 
 # ----------------------------------------------------------------------------- result files
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """`text` into `path` in one rename: a reader sees the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def metrics_csv(result: dict, names: list[str]) -> str:
@@ -161,9 +175,6 @@ def metrics_csv(result: dict, names: list[str]) -> str:
 def write_results(out: Path, result: dict, spec: dict, names: list[str], provenance: dict) -> None:
     """Rank 0: the metric, confusion and provenance files of one evaluation (test_metrics.json last:
     its presence marks a finished evaluation)."""
-    from pimm.engine.plot import plot_confusion
-    from pimm.json_io import dumps
-
     confusion = {"class_names": names, "rows": "truth", "columns": "prediction", "counts": result["confusion"]}
     write_atomic(out / "confusion.json", dumps(confusion, indent=2) + "\n")
     plot_confusion(np.asarray(result["confusion"], np.int64), names, out / "confusion.png",
@@ -178,36 +189,47 @@ def write_results(out: Path, result: dict, spec: dict, names: list[str], provena
 # ----------------------------------------------------------------------------- the rank's main
 
 
-def _evaluate(out: Path, env) -> None:
-    from pimm import __version__
-    from pimm.checkpoint.weights import load_weight_file
-    from pimm.config import config_hash, load_config
-    from pimm.data.dataset import build_dataset
-    from pimm.data.event_file import validate_data
-    from pimm.data.predictions import merge_predictions
-    from pimm.distributed.batch import plan_batches
-    from pimm.distributed.env import barrier
-    from pimm.distributed.strategy import build_strategy
-    from pimm.models import build_model
-    from pimm.tasks import build_task
+def _loader(dataset, events_per_batch: int, env: DistEnv, workers: int):
+    """(this rank's share of every event once, in batches of `events_per_batch`: sampler, loader)."""
+    sampler = ShardedEvalSampler(len(dataset), events_per_batch, env.world_size, env.rank)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                         collate_fn=collate_events, pin_memory=env.device.type == "cuda")
+    return sampler, loader
 
-    spec = json.loads((out / EVAL_SPEC).read_text())
-    cfg = load_config(out / "config.py")
+
+def _merged(out: Path, env: DistEnv, writer: PredictionWriter | None, run: Callable[[], object]):
+    """run() with this rank's predictions part written by `writer` (closed, or aborted on an error);
+    after every rank is done, rank 0 merges the parts into `out`. Returns what run() returned."""
+    try:
+        result = run()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.close()
+    barrier()
+    if writer is not None and env.is_main:
+        merge_predictions([writer.path.with_name(f"predictions.rank{r}.h5") for r in range(env.world_size)], out)
+    return result
+
+
+def _evaluate(eval_dir: Path, spec: dict, env: DistEnv) -> None:
+    """The rank side of `pimm test`: the task's loss and metrics of the held weights."""
+    cfg = read_run_config(eval_dir / "config.py")
     split = spec["split"]
     data_cfg = {**cfg["data"][split], "augment": False}  # evaluation sees the events as stored
     dataset = build_dataset(data_cfg, seed=int(cfg["seed"]))
     # only the test batch matters here: a training batch that does not divide this world size is no error
     plan = plan_batches({**cfg, "batch_size": env.world_size, "grad_accum_steps": 1, "batch_size_val": None},
                         env.world_size)
-    sampler = ShardedEvalSampler(len(dataset), plan.test_events_per_rank, env.world_size, env.rank)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=plan.workers_per_rank,
-                                         collate_fn=collate_events, pin_memory=env.device.type == "cuda")
+    sampler, loader = _loader(dataset, plan.test_events_per_rank, env, plan.workers_per_rank)
     torch.manual_seed(int(cfg["seed"]))
     model = build_model(cfg["model"])
     task = build_task(cfg)
     strategy = build_strategy(cfg, env)
     module = strategy.wrap(model, env)
-    strategy.load_full_model_state(module, load_weight_file(spec["weights"]))
+    strategy.load_full_model_state(module, load_weight_file(spec["held_weights"]))
     log.info("evaluating %s (%d events, %d per rank and batch) with %s (step %s) on %d rank(s), strategy %s",
              split, len(dataset), plan.test_events_per_rank, spec["weights"], spec.get("step"), env.world_size,
              strategy.name)
@@ -219,23 +241,14 @@ def _evaluate(out: Path, env) -> None:
     facts = {"weights_sha256": spec["weights_sha256"], "config_hash": config_hash(cfg), "world_size": env.world_size,
              "pimm_version": __version__}
     if spec.get("save_predictions"):
-        writer, on_batch = prediction_writer(out / f"predictions.rank{env.rank}.h5", dataset, cfg, split,
+        writer, on_batch = prediction_writer(eval_dir / f"predictions.rank{env.rank}.h5", dataset, cfg, split,
                                              bool(spec.get("save_scores")), {**facts, "rank": env.rank})
     started = time.perf_counter()
-    try:
-        result = evaluate_events(module, strategy, task, dataset, loader, sampler, env.device, autocast, on_batch)
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
-    if writer is not None:
-        writer.close()
-    barrier()
+    result = _merged(eval_dir / PREDICTIONS_FILE, env, writer, lambda: evaluate_events(
+        module, strategy, task, dataset, loader, sampler, env.device, autocast, on_batch))
     if not env.is_main:
         return
     seconds = time.perf_counter() - started
-    if writer is not None:
-        merge_predictions([out / f"predictions.rank{r}.h5" for r in range(env.world_size)], out / PREDICTIONS_FILE)
     names = list(cfg["data"].get("names") or [str(i) for i in range(len(result["iou"]))])
     data = validate_data(cfg["data"][split], num_classes=cfg["data"]["num_classes"],
                          ignore_index=(cfg.get("task") or {}).get("ignore_index", -1))
@@ -245,33 +258,21 @@ def _evaluate(out: Path, env) -> None:
         "strategy": strategy.name, "device_type": env.device.type, "seconds": seconds,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    write_results(out, result, spec, names, provenance)
+    write_results(eval_dir, result, spec, names, provenance)
     log.info("%s: mIoU %.4f mAcc %.4f allAcc %.4f loss %.4f (%d events, %d points) in %.1f s", split,
              result["miou"], result["macc"], result["allacc"], result["loss"], result["events"], result["points"],
              seconds)
 
 
-def _predict(out: Path, env) -> None:
+def _predict(eval_dir: Path, spec: dict, env: DistEnv) -> None:
     """The rank side of `pimm predict`: the plain model (no DDP or FSDP2 wrapper: inference needs no
     gradient sync) over this rank's share of the events, every event once; rank 0 merges the
     parts into spec["out"]. No labels, loss or metrics."""
-    from types import SimpleNamespace
-
-    from pimm import __version__
-    from pimm.checkpoint.weights import load_weight_file
-    from pimm.data.dataset import build_dataset
-    from pimm.data.predictions import merge_predictions
-    from pimm.distributed.env import barrier
-    from pimm.models import build_model
-
-    spec = json.loads((out / EVAL_SPEC).read_text())
     dataset = build_dataset({**spec["data"], "augment": False, "labels": False}, seed=0)
-    sampler = ShardedEvalSampler(len(dataset), int(spec["batch_size"]), env.world_size, env.rank)
     workers = 2 if env.device.type == "cuda" else 0  # CPU ranks share the cores with the model
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                                         collate_fn=collate_events, pin_memory=env.device.type == "cuda")
+    _, loader = _loader(dataset, int(spec["batch_size"]), env, workers)
     model = build_model(spec["model"])
-    model.load_state_dict(load_weight_file(spec["weights"]))
+    model.load_state_dict(load_weight_file(spec["held_weights"]))
     model.to(env.device).eval()
     log.info("predicting %d events (%d per rank and batch) with %s on %d rank(s)", len(dataset), spec["batch_size"],
              spec["weights"], env.world_size)
@@ -279,66 +280,41 @@ def _predict(out: Path, env) -> None:
     facts = {"weights_sha256": spec["weights_sha256"], "weights": spec["weights"], "checkpoint": spec["checkpoint"],
              "step": spec["step"], "data": spec["data_identity"], "world_size": env.world_size,
              "pimm_version": __version__}
-    part = out / f"predictions.rank{env.rank}.h5"
-    writer, on_batch = prediction_writer(part, dataset, cfg, spec["split"], bool(spec["save_scores"]),
-                                         {**facts, "rank": env.rank}, has_labels=False)
+    writer, on_batch = prediction_writer(eval_dir / f"predictions.rank{env.rank}.h5", dataset, cfg, spec["split"],
+                                         bool(spec["save_scores"]), {**facts, "rank": env.rank}, has_labels=False)
+
+    @torch.no_grad()
+    def predict() -> None:
+        over_batches(loader, env.device, lambda batch: on_batch(
+            batch, model(batch["coord"], batch["feat"], batch["offset"], event_id=batch["event_id"])))
+
     started = time.perf_counter()
-    try:
-        with loader_workers_forked():
-            batches = iter(loader)
-        with torch.no_grad():
-            for batch in batches:
-                batch = {key: value.to(env.device, non_blocking=True) for key, value in batch.items()}
-                logits = model(batch["coord"], batch["feat"], batch["offset"], event_id=batch["event_id"])
-                on_batch(batch, SimpleNamespace(prediction=logits))
-    except BaseException:
-        writer.abort()
-        raise
-    writer.close()
-    barrier()
+    _merged(Path(spec["out"]), env, writer, predict)
     if env.is_main:
-        merge_predictions([out / f"predictions.rank{r}.h5" for r in range(env.world_size)], Path(spec["out"]))
         log.info("predicted %d events in %.1f s -> %s", len(dataset), time.perf_counter() - started, spec["out"])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pimm.engine.evaluation")
     parser.add_argument("--eval-dir", type=Path, required=True)
-    out: Path = parser.parse_args(argv).eval_dir
-    if not (out / EVAL_SPEC).is_file():
-        print(f"pimm.engine.evaluation: error: {out / EVAL_SPEC} does not exist; start evaluations with `pimm test` "
-              "(or `pimm predict`)",
-              file=sys.stderr)
+    eval_dir: Path = parser.parse_args(argv).eval_dir
+    if not (eval_dir / EVAL_SPEC).is_file():
+        print(f"pimm.engine.evaluation: error: {eval_dir / EVAL_SPEC} does not exist; start evaluations with "
+              "`pimm test` (or `pimm predict`)", file=sys.stderr)
         return 2
-    from pimm.engine.logs import setup_logging
-    from pimm.engine.worker import failure_text, write_error
-    from pimm.signals import die_with_parent
-
     die_with_parent()  # no rank outlives torchrun
     rank = int(os.environ.get("RANK", 0))
     logging.raiseExceptions = False
-    setup_logging(out / "logs", rank)
-    from pimm.distributed.env import destroy_distributed, init_distributed
-
+    setup_logging(eval_dir / "logs", rank)
     try:
         env = init_distributed()
-        (_predict if json.loads((out / EVAL_SPEC).read_text()).get("predict") else _evaluate)(out, env)
+        spec = read_spec(eval_dir)
+        (_predict if spec.get("predict") else _evaluate)(eval_dir, spec, env)
         destroy_distributed()
         return 0
     except BaseException as exc:
-        if isinstance(exc, (SystemExit, GeneratorExit)):
-            raise
-        text = failure_text(exc, out, rank)
-        log.error("%s", text)
-        with contextlib.suppress(OSError), open(out / "logs" / f"rank{rank}.log", "a", encoding="utf-8") as fh:
-            import traceback
-
-            fh.write(traceback.format_exc())
-        write_error(out, rank, text)
-        return 1
+        return report_failure(exc, eval_dir, rank, log)
 
 
 if __name__ == "__main__":
-    from pimm.engine.worker import exit_now
-
     exit_now(main())

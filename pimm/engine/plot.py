@@ -5,6 +5,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
+from pimm.files import atomic_path
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend."""
+    import matplotlib  # deferred: about a second to import; only the end of a run or evaluation draws
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # deferred: as above
+
+    return plt
+
 
 def plot_metrics(metrics_path: Path, out_path: Path) -> Path | None:
     """Draw loss vs step and validation mIoU vs step; returns the PNG path (None without data)."""
@@ -15,12 +29,7 @@ def plot_metrics(metrics_path: Path, out_path: Path) -> Path | None:
     val = [r for r in records if r.get("kind") == "val"]
     if not train and not val:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_miou) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_loss, ax_miou) = pyplot().subplots(1, 2, figsize=(10, 4))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     ax_loss.plot([r["step"] for r in val], [r["loss"] for r in val], "o-", label="val")
     ax_loss.set_xlabel("optimizer step")
@@ -35,30 +44,21 @@ def plot_metrics(metrics_path: Path, out_path: Path) -> Path | None:
 
 def save_png(fig, out_path: Path) -> Path:
     """Write a matplotlib figure as a PNG in one rename (never half-written) and close it."""
-    import matplotlib.pyplot as plt
-
     fig.tight_layout()
-    tmp = out_path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(out_path)
+    with atomic_path(out_path, fsync=False) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    pyplot().close(fig)
     return out_path
 
 
 def plot_confusion(confusion, class_names: list[str], out_path: Path, title: str = "") -> Path:
     """The confusion matrix (rows truth, columns prediction) normalised per row (each truth class's
     points sum to 1), each cell annotated with its fraction and count; returns the PNG path."""
-    import matplotlib
-    import numpy as np
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     counts = np.asarray(confusion, dtype=np.int64)
     rows = counts.sum(1, keepdims=True)
     fraction = np.divide(counts, rows, out=np.zeros(counts.shape), where=rows > 0)
     n = len(class_names)
-    fig, ax = plt.subplots(figsize=(1.2 * n + 2.5, 1.1 * n + 1.8))
+    fig, ax = pyplot().subplots(figsize=(1.2 * n + 2.5, 1.1 * n + 1.8))
     image = ax.imshow(fraction, cmap="Blues", vmin=0.0, vmax=1.0)
     fig.colorbar(image, ax=ax, label="fraction of the truth class's points")
     ax.set_xticks(range(n), class_names, rotation=45, ha="right")

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
-from pimm.checkpoint.layout import CheckpointError
+from pimm.checkpoint.layout import BEST, BEST_RECORD, CheckpointError, sha256_file
 from pimm.checkpoint.manager import CheckpointManager
 from pimm.checkpoint.state import capture, checkpoint_components, cursor_facts, restore
+from pimm.checkpoint.weights import load_pretrained, save_weight_file
 from pimm.config import config_hash
 from pimm.data.collate import collate_events, split_events
 from pimm.data.dataset import build_dataset
@@ -31,11 +33,12 @@ from pimm.data.sampler import GlobalBatchSampler, ShardedEvalSampler
 from pimm.distributed.batch import plan_batches
 from pimm.distributed.env import DistEnv, all_gather_objects, all_reduce_sum, barrier
 from pimm.distributed.strategy import build_strategy
-from pimm.engine.evaluation import evaluate_events
+from pimm.engine.evaluation import evaluate_events, to_device
 from pimm.engine.logs import MetricsWriter, TensorBoardScalars, WandbScalars
 from pimm.engine.optim import build_optimizer, build_scheduler, freeze_parameters, group_facts, parameter_groups
 from pimm.engine.plot import plot_metrics
 from pimm.errors import EXIT_CHECKPOINTED, EXIT_FAILED, ConfigError, TrainingError
+from pimm.files import write_atomic
 from pimm.json_io import dumps, nonfinite_keys
 from pimm.models import build_model
 from pimm.provenance import Provenance
@@ -53,11 +56,6 @@ class TrainState:
     samples_in_epoch: int = 0  # global events consumed so far in that epoch (the data cursor)
     step: int = 0  # optimizer steps taken since the start of the run
     best_metric: float = -math.inf  # the best value of the task's best_metric so far (-inf: none yet)
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    """The collated batch's tensors on `device` (asynchronous from pinned loader memory)."""
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
 class Interrupted(Exception):
@@ -356,8 +354,6 @@ class Trainer:
     def _warm_start(self, weight: str, pretrained: dict) -> None:
         """Load the weights at `weight` (pretrained.key_map, skip, strict); the entries a partial
         load leaves out keep this run's initial values (gathered whole on every rank)."""
-        from pimm.checkpoint.weights import load_pretrained
-
         own = self.strategy.eval_module(self.module).state_dict()
         match = load_pretrained(weight, {k: v.shape for k, v in own.items()}, self.cfg["model"], pretrained)
         kept = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()  # DTensor: a collective
@@ -538,8 +534,6 @@ class Trainer:
     def _progress(self):
         if not (self.env.is_main and sys.stderr.isatty()):
             return None
-        from tqdm import tqdm
-
         return tqdm(
             total=self.sampler.steps_per_epoch, initial=self.sampler.start_step,
             desc=f"epoch {self.state.epoch + 1}/{self.cfg['epochs']}", unit="step", dynamic_ncols=True,
@@ -593,8 +587,6 @@ class Trainer:
             model_state, dcp_state = capture(self.checkpoint_components, self.env.is_main, self.checkpoints.stage)
             self.checkpoints.save(self.state.step, model_state, dcp_state, blocking=blocking)
             if self.env.is_main and self.cfg.get("save_iter_snapshots"):
-                from pimm.checkpoint.weights import save_weight_file
-
                 save_weight_file(model_state, self.run_dir / "model" / f"iter_{self.state.step}.pth")
         if blocking:
             self.checkpoints.wait()  # also a write of this step that is still in flight
@@ -608,13 +600,11 @@ class Trainer:
         self.state.best_metric = value
         state = self.strategy.full_model_state(self.module)
         if self.env.is_main:
-            from pimm.checkpoint.weights import save_weight_file
-
-            save_weight_file(state, self.run_dir / "model" / "model_best.pth")
-            record = {"step": self.state.step, "metric": self.task.best_metric, "value": value}
-            sidecar = self.run_dir / "model" / "model_best.json"
-            sidecar.with_name(sidecar.name + ".tmp").write_text(dumps(record) + "\n")
-            sidecar.with_name(sidecar.name + ".tmp").replace(sidecar)
+            best = save_weight_file(state, self.run_dir / "model" / BEST)
+            # the record names the file by its hash: a reader while training holds one matching pair
+            record = {"step": self.state.step, "metric": self.task.best_metric, "value": value,
+                      "sha256": sha256_file(best)}
+            write_atomic(self.run_dir / "model" / BEST_RECORD, dumps(record) + "\n")
 
     def _write_summary(self, final: dict) -> None:
         summary = {

@@ -15,17 +15,17 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from pimm.checkpoint.layout import Checkpoint, candidates
 from pimm.errors import EXIT_CHECKPOINTED, EXIT_SECOND_SIGNAL, LaunchError
-
-if TYPE_CHECKING:
-    from pimm.signals import StopForwarder
+from pimm.launch.plan import TEST_PHASE, LaunchPlan
+from pimm.launch.process import run_torchrun
+from pimm.launch.resume import attempts, continue_command
+from pimm.signals import StopForwarder
 
 NODES_DIR = ".nodes"
 
@@ -79,40 +79,11 @@ def wait_for_announcement(run_dir: Path, tag: str, timeout_s: float = 600.0) -> 
 
 # -- torchrun on this node ---------------------------------------------------------------------
 
-# a folder on this node's local disk where torchrun (torchrun.json: how each failed rank ended) and
-# the ranks (rank<R>.txt: their errors, also when the run directory's disk is full) report to pimm
-REPORT_DIR_ENV = "PIMM_REPORT_DIR"
-
-
-def attempts(run_dir: Path) -> list[dict]:
-    try:
-        return json.loads((run_dir / "provenance.json").read_text())["attempts"]
-    except (OSError, ValueError, KeyError):
-        return []
-
-
-def run_torchrun(argv: list[str], lock_fd: int | None, report_dir: Path | None = None) -> tuple[int, StopForwarder]:
-    """Run torchrun (see pimm.signals for who handles which signal): it dies with this process,
-    holds the run lock (when this node has it) as long as it lives, and gets the stop signals sent
-    here. Returns its exit status and what this process was signalled."""
-    from pimm.signals import StopForwarder, die_with_parent
-
-    env = dict(os.environ)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    if report_dir is not None:
-        env[REPORT_DIR_ENV] = str(report_dir)
-    pass_fds = (lock_fd,) if lock_fd is not None else ()
-    # preexec_fn is safe here: pimm runs no threads at this point
-    proc = subprocess.Popen(argv, env=env, pass_fds=pass_fds, preexec_fn=die_with_parent)  # noqa: PLW1509
-    with StopForwarder(proc) as stops:
-        return proc.wait(), stops
-
-
-def train_on_this_node(plan, lock_fd: int | None, node_rank: int = 0) -> int:
+def train_on_this_node(plan: LaunchPlan, lock_fd: int | None, node_rank: int = 0) -> int:
     """Run this node's torchrun and turn how the run ended into pimm's exit status (the same on
     every node, so `srun` and the Slurm job report it): 0 finished, 75 stopped by a signal with a
     complete checkpoint to continue from, 76 stopped at once by a second signal, 1 failed. Node 0
-    prints the full report."""
+    prints the full report and, when the plan names the test phase, ends with it."""
     run_dir = plan.run_dir
     attempts_before = len(attempts(run_dir))
     try:
@@ -123,17 +94,12 @@ def train_on_this_node(plan, lock_fd: int | None, node_rank: int = 0) -> int:
         returncode, stops = run_torchrun(plan.torchrun_argv(), lock_fd, report_dir)
         # rank 0 (maybe on another node) records the outcome just before it exits: give it a moment
         outcome = _outcome(run_dir, attempts_before, wait_s=60.0 if node_rank else (0.5 if stops.killed else 5.0))
-        status = exit_status(outcome, returncode)
         failures, errors = _reports(run_dir, report_dir)
     finally:
         if report_dir is not None:
             shutil.rmtree(report_dir, ignore_errors=True)
     checkpoint = _newest_checkpoint(run_dir)
-    stopped = stops.killed or status == EXIT_CHECKPOINTED or bool(stops.signal_name and status != 0 and not errors)
-    if stops.killed:
-        status = EXIT_SECOND_SIGNAL
-    elif stopped and checkpoint is not None:
-        status = EXIT_CHECKPOINTED
+    status, stopped = ending(outcome, returncode, stops, errors, checkpoint is not None)
     if node_rank:
         print(f"pimm: node {node_rank}: {outcome or 'no outcome recorded'} (exit status {status})", file=sys.stderr)
     elif stopped:
@@ -142,12 +108,36 @@ def train_on_this_node(plan, lock_fd: int | None, node_rank: int = 0) -> int:
         _report_failure(plan, status, failures, errors, checkpoint)
     else:
         _report_success(run_dir)
-        cfg = plan.cfg
-        if cfg["data"].get("test") and cfg.get("test_after_training", True) and not cfg.get("validate_only"):
-            from pimm.cli.evaluate import test_after_training
+        if TEST_PHASE in plan.phases and stops.signal_name:
+            print(f"pimm: a stop signal ({stops.signal_name}) came as the run finished, so the test after training "
+                  f"was not started; test it with: pimm test --run-dir {run_dir}", file=sys.stderr)
+        elif TEST_PHASE in plan.phases:
+            # deferred: the test phase imports torch, which the launcher does without until the training ended
+            from pimm.launch.evaluate import test_after_training
 
             status = test_after_training(run_dir, plan.nproc_per_node)
     return status
+
+
+def ending(outcome: str, returncode: int, stops: StopForwarder, errors: dict[int, str],
+           has_checkpoint: bool) -> tuple[int, bool]:
+    """(pimm's exit status, whether a stop signal ended the run) from the outcome this attempt
+    recorded (provenance.json), torchrun's exit status, the signals pimm was sent, the ranks' errors
+    and whether a complete checkpoint exists. The two always agree with the record:
+      - "completed": the run trained its last step and wrote its final checkpoint; a stop signal
+        that came after the ranks last agreed on stopping changes nothing: 0;
+      - "interrupted ...": the ranks stopped together with a checkpoint (also at the last step): 75;
+      - else a second signal that killed torchrun: 76; a signal with no rank error and a
+        checkpoint to continue from: 75; otherwise torchrun's status (1: a rank failed)."""
+    if outcome == "completed" and not errors:
+        return 0, False
+    status = EXIT_CHECKPOINTED if outcome.startswith("interrupted") else returncode
+    stopped = stops.killed or status == EXIT_CHECKPOINTED or bool(stops.signal_name and status != 0 and not errors)
+    if stops.killed:
+        status = EXIT_SECOND_SIGNAL
+    elif stopped and has_checkpoint:
+        status = EXIT_CHECKPOINTED
+    return status, stopped
 
 
 def _outcome(run_dir: Path, attempts_before: int, wait_s: float) -> str:
@@ -160,15 +150,7 @@ def _outcome(run_dir: Path, attempts_before: int, wait_s: float) -> str:
         time.sleep(0.5)
 
 
-def exit_status(outcome: str, returncode: int) -> int:
-    """pimm's exit status: 75 when the run recorded a checkpointed stop (torchrun itself is then
-    stopped by a signal), otherwise torchrun's own status."""
-    return EXIT_CHECKPOINTED if outcome.startswith("interrupted") else returncode
-
-
-def _newest_checkpoint(run_dir: Path):
-    from pimm.checkpoint.layout import candidates
-
+def _newest_checkpoint(run_dir: Path) -> Checkpoint | None:
     try:
         complete, _ = candidates(run_dir / "model")
     except OSError:
@@ -253,8 +235,6 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _continue_lines(plan, checkpoint, full_disk: bool = False) -> list[str]:
-    from pimm.launch.resume import continue_command
-
     if checkpoint is None:
         return ["no checkpoint was written"]
     command = continue_command(plan.run_dir, plan.nproc_per_node, plan.nnodes, plan.max_restarts)

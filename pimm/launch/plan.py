@@ -1,9 +1,12 @@
 """The launch description: one object that `pimm launch` turns into a torchrun command and that
 `pimm submit` renders into a Slurm script (pimm.launch.sbatch), whose node agents read it back
-from the run directory (plan_from_run)."""
+from the run directory (plan_from_run). It names the phases a launch runs: training (or the one
+validation of validate_only), then the test of the best model on data.test (test_after_training),
+which the node agent runs (pimm.launch.node, pimm.launch.evaluate)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -12,8 +15,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pimm.config import read_run_config
+from pimm.data.event_file import validate_data
 from pimm.distributed.batch import BatchPlan, plan_batches
 from pimm.errors import LaunchError
+
+TRAIN_PHASE, VALIDATE_PHASE, TEST_PHASE = "train", "validate", "test"
+
+
+def phases_of(cfg: dict) -> tuple[str, ...]:
+    """What a launch of `cfg` runs, in order: train (validate for validate_only), then test: `pimm test`
+    of the best model on data.test, when the config has one and test_after_training (the default)."""
+    if cfg.get("validate_only"):
+        return (VALIDATE_PHASE,)
+    if cfg["data"].get("test") and cfg.get("test_after_training", True):
+        return (TRAIN_PHASE, TEST_PHASE)
+    return (TRAIN_PHASE,)
 
 
 @dataclass
@@ -35,6 +52,8 @@ class LaunchPlan:
     resume: bool = False
     weight: str | None = None
     rdzv_id: str | None = None  # default: the run directory's name
+    phases: tuple[str, ...] = (TRAIN_PHASE,)
+    data: dict[str, dict] = field(default_factory=dict)  # split -> the checked data's identity (prepare)
 
     @property
     def world_size(self) -> int:
@@ -64,12 +83,15 @@ class LaunchPlan:
             argv += ["--weight", str(self.weight)]
         return argv
 
-    def describe(self) -> str:
+    def describe(self, dry_run: bool = False) -> str:
+        """What the launch will run, for people; dry_run: also the `pimm launch` line that runs it."""
         b = self.batches
         val_note = " (batch_size_val=None: one event per rank)" if self.cfg.get("batch_size_val") is None else ""
         lines = [
             "torchrun command:",
             "  " + shlex.join(self.torchrun_argv()),
+            *(["the pimm command that runs this plan (to paste in this directory):",
+               "  " + shlex.join(self.launch_argv())] if dry_run else []),
             f"world size: {self.world_size} ({self.nnodes} node(s) x {self.nproc_per_node} process(es), "
             f"{self.device_type}/{self.backend})",
             f"per rank: batch_size {b.events_per_rank} events (global {b.global_batch_size}) = {b.grad_accum_steps} "
@@ -79,14 +101,36 @@ class LaunchPlan:
             f"num_worker {b.workers_per_rank} (global {b.global_workers})",
             f"run directory: {self.run_dir}",
         ]
+        if TEST_PHASE in self.phases:
+            lines.append(f"then: pimm test of model_best (last without one) on data.test into {self.run_dir / 'eval'}/ "
+                         "(test_after_training)")
         return "\n".join(lines)
+
+    def launch_argv(self) -> list[str]:
+        """The `pimm launch` command line that makes this same plan again (in the same directory and
+        environment): every choice spelled out, the run directory by its exact name."""
+        argv = ["pimm", "launch"]
+        if self.resume:
+            argv += ["--train.resume", str(self.run_dir)]
+        else:
+            argv += ["--train.config", self.config_name, "--run.name", self.run_dir.name, "--run.no-timestamp",
+                     "--paths.exp-root", str(self.run_dir.parent.parent)]
+        argv += ["--resources.nproc-per-node", str(self.nproc_per_node), "--resources.nnodes", str(self.nnodes),
+                 "--resources.max-restarts", str(self.max_restarts)]
+        if self.rdzv_endpoint is not None:
+            argv += ["--resources.rdzv-endpoint", self.rdzv_endpoint]
+        if self.node_rank is not None:
+            argv += ["--resources.node-rank", str(self.node_rank)]
+        if self.weight:
+            argv += ["--train.weight", self.weight]
+        return argv + (["--", *self.overrides] if self.overrides else [])
 
 
 def visible_gpus() -> int:
     """GPUs this process may use; without an NVIDIA driver, 0 without paying for a torch import."""
     if not Path("/proc/driver/nvidia").exists() and not os.environ.get("PIMM_PROBE_GPUS"):
         return 0
-    import torch
+    import torch  # deferred: seconds to import; only on a machine with an NVIDIA driver
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -117,7 +161,10 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 def check_run_name(name: str, what: str = "--run.name") -> str:
     """A run (or group) name is one path component: letters, digits, '.', '_', '+', '-', not
     starting with '.' (so never '.', '..' or a hidden folder) and at most 200 characters."""
-    if not (_SAFE_NAME.fullmatch(name) and len(name) <= 200):
+    if len(name) > 200:  # with the timestamp, still under the file systems' 255-byte limit of a name
+        raise LaunchError(f"{what} is {len(name)} characters long ({name[:40]!r}...); a run name has at most 200: "
+                          "give a shorter --run.name")
+    if not _SAFE_NAME.fullmatch(name):
         raise LaunchError(
             f"{what} {name!r:.120} is not allowed: a run name is one folder name of letters, digits and . _ + - "
             "(not starting with '.', no '/'), e.g. --run.name pilarnet-ptv3-lr3e-3; the run directory is always "
@@ -192,19 +239,40 @@ def make_plan(
         resume=resume,
         weight=weight,
         rdzv_id=rdzv_id,
+        phases=phases_of(cfg),
     )
+
+
+def data_files(cfg: dict) -> dict[str, str]:
+    """split -> data path as configured (a relative path is relative to the current directory)."""
+    return {split: cfg["data"][split]["path"] for split in ("train", "val", "test") if cfg["data"].get(split)}
+
+
+def check_data(cfg: dict, global_batch: int) -> dict[str, dict]:
+    """Every data set is valid for its type (a pimm event file, or PILArNet-M shards) with labels in
+    0..data.num_classes-1 or task.ignore_index, and the train set fills one global batch;
+    returns split -> the data's identity (pimm.data.event_file.validate_data)."""
+    checked = {}
+    for split in data_files(cfg):
+        info = checked[split] = validate_data(cfg["data"][split], num_classes=cfg["data"]["num_classes"],
+                                              ignore_index=(cfg.get("task") or {}).get("ignore_index", -1))
+        if split == "train":
+            max_len = cfg["data"]["train"].get("max_len")
+            events = min(info["num_events"], max_len) if max_len else info["num_events"]
+            if events < global_batch:
+                raise LaunchError(
+                    f"data.train has {events} events, fewer than one global batch (batch_size={global_batch}); "
+                    "use more events or a smaller batch_size"
+                )
+    return checked
 
 
 def plan_from_run(run_dir: Path, rdzv_endpoint: str, rdzv_id: str, resume: bool) -> LaunchPlan:
     """The plan a node agent runs: the run's own config.py and launch.json as the submitting host
     wrote them, checked again against the GPUs of this node; resume decided by node 0."""
-    import json
-
-    from pimm.config import load_config
-
     try:
         launch = json.loads((run_dir / "launch.json").read_text())
-        cfg = load_config(run_dir / "config.py")
+        cfg = read_run_config(run_dir / "config.py")
     except (OSError, ValueError) as exc:
         raise LaunchError(f"{run_dir} is not a prepared run directory (config.py, launch.json): {exc}") from None
     return make_plan(

@@ -18,6 +18,10 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from pimm.checkpoint.layout import candidates
+from pimm.config import apply_overrides, config_hash, parse_overrides, read_run_config
+from pimm.config.validate import check_config
+from pimm.data.event_file import validate_data
 from pimm.errors import ConfigError, LaunchError, PimmError
 
 
@@ -32,10 +36,39 @@ class SavedRun:
         return self.launch.get("config") or f"{self.run_dir.parent.name}/{self.run_dir.name}"
 
 
+def attempts(run_dir: Path) -> list[dict]:
+    """The attempts provenance.json records (pimm.provenance), oldest first; [] when it cannot be read."""
+    try:
+        return json.loads((run_dir / "provenance.json").read_text())["attempts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+@dataclass
+class Resume:
+    """What a resume compares, gathered in one place: the run as it was saved, the config it
+    continues with (the saved one with the overrides, checked), what changed, and whether the run
+    already trained everything that config asks for."""
+
+    saved: SavedRun
+    cfg: dict
+    changes: dict[str, tuple]
+    completed: CompletedRun | None
+
+
+def resume_run(run_dir: Path, overrides: list[str]) -> Resume:
+    """The run at `run_dir` with `overrides` on its own config, or the reason it cannot continue:
+    LaunchError (not a pimm run), ConfigError (a bad override, or a change that cannot continue it).
+    Reads the run's records and the train data's size, never a checkpoint's weights."""
+    saved = load_saved_run(run_dir)
+    cfg = apply_overrides(saved.cfg, parse_overrides(overrides))
+    check_config(cfg)
+    changes = check_resume_changes(saved, cfg)
+    return Resume(saved, cfg, changes, completed_run(run_dir, cfg))
+
+
 def load_saved_run(run_dir: Path) -> SavedRun:
     """The run's resolved config and launch facts; LaunchError when `run_dir` is not a pimm run."""
-    from pimm.config import load_config
-
     if not run_dir.is_dir():
         raise LaunchError(
             f"cannot resume: run directory {run_dir} does not exist (looked for {run_dir.absolute()}); "
@@ -50,7 +83,7 @@ def load_saved_run(run_dir: Path) -> SavedRun:
         launch = json.loads((run_dir / "launch.json").read_text())
     except (OSError, ValueError):
         launch = {}
-    cfg = load_config(run_dir / "config.py")
+    cfg = read_run_config(run_dir / "config.py")
     if isinstance(cfg.get("debug"), dict):  # fault injection belongs to one launch, not to the run
         cfg["debug"] = {key: None for key in cfg["debug"]}
     return SavedRun(run_dir, cfg, launch)
@@ -89,10 +122,6 @@ def completed_run(run_dir: Path, cfg: dict) -> CompletedRun | None:
     what the run directory records, reading no checkpoint: the last attempt in provenance.json ended
     "completed", and the newest complete checkpoint is at or past cfg's total steps (for the config
     that attempt ran, the step it finished at; for another, epochs x steps per epoch, or max_steps)."""
-    from pimm.checkpoint.layout import candidates
-    from pimm.config import config_hash
-    from pimm.launch.node import attempts
-
     done = attempts(run_dir)
     last = done[-1] if done else {}
     if last.get("outcome") != "completed" or last.get("validate_only"):
@@ -112,15 +141,6 @@ def completed_run(run_dir: Path, cfg: dict) -> CompletedRun | None:
     overrides = ((done[0].get("launch") or {}).get("overrides")) or []
     return CompletedRun(run_dir, complete[0].step, total, last.get("end_time"),
                         [o for o in overrides if not o.startswith("debug.")])
-
-
-def exit_if_completed(run_dir: Path, cfg: dict, config_name: str, verb: str) -> None:
-    """Before anything is written or locked: when the run already completed what `cfg` asks for,
-    say so and how to train longer, and exit with status 0 (SystemExit); otherwise return."""
-    done = completed_run(run_dir, cfg)
-    if done is not None:
-        print(done.message(cfg, config_name, verb), flush=True)
-        raise SystemExit(0)
 
 
 def _total_steps(cfg: dict) -> int:
@@ -192,9 +212,9 @@ def check_resume_changes(saved: SavedRun, cfg: dict) -> dict[str, tuple]:
 def _parameter_mismatch(old_model: dict, new_model: dict) -> str | None:
     """A short description of how the two models' parameters differ, None when they match.
     (Builds both on the meta device: no memory, no weights.)"""
-    import torch
+    import torch  # deferred: torch takes seconds to import; only a resume that changes the model needs it
 
-    from pimm.models import build_model
+    from pimm.models import build_model  # deferred: as above
 
     with torch.device("meta"):
         old = {k: tuple(v.shape) for k, v in build_model(old_model).state_dict().items()}
@@ -213,8 +233,6 @@ def _parameter_mismatch(old_model: dict, new_model: dict) -> str | None:
 
 
 def _train_events(cfg: dict) -> int:
-    from pimm.data.event_file import validate_data
-
     train = cfg["data"]["train"]
     events = validate_data(train)["num_events"]
     return min(events, train["max_len"]) if train.get("max_len") else events
@@ -226,7 +244,7 @@ def _fixed_length_key(cfg: dict) -> str | None:
     scheduler = cfg.get("scheduler")
     if not scheduler:
         return None
-    from pimm.engine.optim import SCHEDULE_LENGTH_KEY
+    from pimm.engine.optim import SCHEDULE_LENGTH_KEY  # deferred: imports torch; only runs with a schedule ask
 
     length_key = SCHEDULE_LENGTH_KEY.get(scheduler.get("type"))
     return length_key if length_key is not None and scheduler.get(length_key) is None else None

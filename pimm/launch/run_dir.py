@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 from pimm.errors import LaunchError
-from pimm.files import os_error_reason
+from pimm.files import os_error_reason, write_atomic
 from pimm.launch.run_lock import RunLock
+from pimm.provenance import set_aside_unreadable
 
 # directories open_run_dir made for a new run: removed again when writing it fails before any process starts
 _made_for: dict[Path, list[Path]] = {}
@@ -26,7 +27,7 @@ def open_run_dir(plan) -> RunLock:
     before anything is written, and returned. The resolved config is written as config.py; a
     resume with a different config keeps the old one beside it."""
     from pimm.checkpoint.layout import resumable
-    from pimm.config import config_hash, dump_config, load_config
+    from pimm.config import config_hash, dump_config, read_run_config
 
     run_dir = plan.run_dir
     if not plan.resume:
@@ -35,9 +36,16 @@ def open_run_dir(plan) -> RunLock:
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             run_dir.mkdir()
         except FileExistsError:
+            if run_dir.is_dir():
+                raise LaunchError(
+                    f"run directory {run_dir} already exists; resume it with --train.resume {run_dir}, "
+                    "or choose another --run.name"
+                ) from None
+            blocker = run_dir if run_dir.exists() or run_dir.is_symlink() else run_dir.parent
             raise LaunchError(
-                f"run directory {run_dir} already exists; resume it with --train.resume {run_dir}, "
-                "or choose another --run.name"
+                f"{blocker} is {_kind(blocker)} in the way of the run directory {run_dir} (a folder must be "
+                "there); move or remove it, or choose another --paths.exp-root"
+                + (" or --run.name" if blocker == run_dir else "")
             ) from None
         except OSError as exc:
             _remove_new_run(run_dir, made)
@@ -51,8 +59,11 @@ def open_run_dir(plan) -> RunLock:
     try:
         if plan.resume:
             resumable(run_dir / "model")  # 'Incomplete checkpoint directory ...' before any process starts
+            said = set_aside_unreadable(run_dir)  # before the ranks read it: a damaged record is kept, not fatal
+            if said is not None:
+                print(f"pimm: {said}", flush=True)
             previous = run_dir / "config.py"
-            if previous.exists() and config_hash(load_config(previous)) != config_hash(plan.cfg):
+            if previous.exists() and config_hash(read_run_config(previous)) != config_hash(plan.cfg):
                 kept = run_dir / f"config.before-{time.strftime('%Y%m%d-%H%M%S')}.py"
                 previous.replace(kept)
                 print(f"pimm: the config differs from the run's previous one (kept as {kept})", flush=True)
@@ -79,12 +90,9 @@ def write_launch_record(plan, resume_changes: dict | None = None, **extra) -> di
         "device_type": plan.device_type, "batches": plan.batches.as_dict(), "command": plan.torchrun_argv(),
         **extra,
     }
-    tmp = plan.run_dir / "launch.json.tmp"
     try:
-        tmp.write_text(json.dumps(record, indent=2))
-        tmp.replace(plan.run_dir / "launch.json")
+        write_atomic(plan.run_dir / "launch.json", json.dumps(record, indent=2))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         # nothing has run in a new run directory yet: leave nothing of it behind
         _remove_new_run(plan.run_dir, _made_for.pop(plan.run_dir, None) if not plan.resume else None)
         raise LaunchError(cannot_write(plan, exc)) from None
@@ -100,6 +108,13 @@ def cannot_write(plan, exc: OSError) -> str:
         return f"cannot write to the run directory {plan.run_dir}: {reason}; {fix}, then resume it again"
     exp_root = plan.run_dir.parent.parent
     return f"cannot create the run directory under {exp_root}: {reason}; choose a writable --paths.exp-root"
+
+
+def _kind(path: Path) -> str:
+    """'a file', 'a broken symbolic link', ...: what is at `path` instead of a folder."""
+    if path.is_symlink() and not path.exists():
+        return "a broken symbolic link"
+    return "a file" if path.is_file() else "something other than a folder"
 
 
 def _remove_new_run(run_dir: Path, made: list[Path] | None) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pimm
 from pimm.errors import LaunchError
+from pimm.launch.sites import check_one_line
 
 NOTHING_TO_DO = 3  # `slurm_job begin`: the run already finished; the job ends with 0
 
@@ -26,9 +27,13 @@ def log_pattern(run_dir: Path) -> Path:
 
 
 def render_job_script(plan, site, submission: str, workdir: Path) -> str:
-    """The batch script for `plan` on `site`; every path absolute (the job starts elsewhere)."""
+    """The batch script for `plan` on `site`; every path absolute (the job starts elsewhere).
+    LaunchError when a value holds a control character (see check_one_line)."""
     run_dir = plan.run_dir.absolute()
     python = site.python or sys.executable
+    for what, value in (("the run directory", str(run_dir)), ("the config name", plan.config_name),
+                        ("the python", python), ("the submission", submission)):
+        check_one_line(value, what)
 
     def pimm_job(*args: str) -> str:
         return shlex.join(site.wrap([python, "-m", "pimm.launch.slurm_job", *args]))
@@ -61,7 +66,12 @@ def render_job_script(plan, site, submission: str, workdir: Path) -> str:
 
 def job_prologue(site, job_name: str, output: str, workdir: Path, time_limit_signal: bool = True) -> list[str]:
     """What every pimm batch script starts with: the site's #SBATCH lines (without the time-limit
-    signal if asked), its setup lines and exports, and the submitting directory."""
+    signal if asked), its setup lines and exports, and the submitting directory. Every value that
+    goes into the script is checked here first: one line each, no control character."""
+    for what, value in (("the job name", job_name), ("the log path", output),
+                        ("the working directory", str(workdir.absolute())),
+                        *((f"site {site.name!r}: {key}", text) for key, text in site.script_values())):
+        check_one_line(value, what)
     directives = site.sbatch_directives(job_name=job_name, output=output)
     if not time_limit_signal:
         directives = [d for d in directives if not d.startswith("#SBATCH --signal=")]

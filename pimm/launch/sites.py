@@ -11,6 +11,7 @@ Runs on a login node before anything starts: no torch here.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 import shlex
@@ -134,6 +135,19 @@ class Site:
         lines += [q(option) for option in self.sbatch_options]
         return [f"#SBATCH {line}" for line in lines]
 
+    def script_values(self) -> list[tuple[str, str]]:
+        """(field, text) of every value of the profile that a batch script may carry."""
+        out: list[tuple[str, str]] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Container):
+                value = (value.runtime, value.image, *value.binds, *value.options)
+            elif isinstance(value, dict):
+                value = tuple(f"{k}={v}" for k, v in value.items())
+            out += [(f.name, str(v)) for v in (value if isinstance(value, tuple) else (value,))
+                    if isinstance(v, str | Path)]
+        return out
+
     def preamble(self) -> list[str]:
         """Shell lines run on each node before training: the setup lines as written, then exports."""
         return [*self.setup, *(f"export {key}={shlex.quote(value)}" for key, value in self.environment.items())]
@@ -151,6 +165,21 @@ class Site:
         if c.binds:
             wrapped += ["--bind", ",".join(c.binds)]
         return [*wrapped, *c.options, c.image, *argv]
+
+
+def control_characters(text: str) -> str:
+    """The control characters in `text` (below 0x20, and DEL), each as its Python escape ('\\n\\t'); '' when none."""
+    return "".join(sorted({repr(c)[1:-1] for c in text if ord(c) < 0x20 or ord(c) == 0x7F}))
+
+
+def check_one_line(value: str, what: str) -> str:
+    """`value` when it holds no control character; LaunchError naming `what` otherwise. In a batch
+    script a newline starts a new line: a new #SBATCH directive or a shell command nobody asked for."""
+    found = control_characters(value)
+    if found:
+        raise LaunchError(f"{what} {value!r:.100} holds control character(s) {found}; a value written into a batch "
+                          "script must be one line of printable text: remove them")
+    return value
 
 
 def known_sites() -> list[str]:
@@ -215,13 +244,17 @@ def _locate(name_or_path: str) -> Path:
 
 def _read(path: Path) -> dict:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise LaunchError(f"cannot read site profile {str(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise LaunchError(f"site profile {str(path)!r} is not a text file (byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start} is not UTF-8); give a YAML profile such as pimm/launch/sites/slurm.yaml"
+                          ) from None
     try:
         data = yaml.load(text, Loader=_Loader)  # a SafeLoader: plain data only
     except yaml.YAMLError as e:
-        raise LaunchError(f"site profile {str(path)!r} is not valid YAML: {e}") from None
+        raise LaunchError(f"site profile {str(path)!r} is not valid YAML: {' '.join(str(e).split())}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -405,13 +438,19 @@ def _validate(name: str, source: Path, raw: dict, origin: dict[str, str]) -> Sit
         raise fail("account", f"account {account!r} does not end in {suffix!r}, as this site's accounts for "
                    "these jobs must", f"use e.g. {flag_for('account')} {account}{suffix}")
 
-    return Site(
+    site = Site(
         name=name, source=source, scheduler=scheduler, nnodes=nnodes, nproc_per_node=nproc, cpus_per_proc=cpus,
         time=time, time_s=time_s, mem=strings["mem"], account=account, partition=strings["partition"],
         qos=strings["qos"], constraint=strings["constraint"], gpu_directive=gpu_directive,
         gres_name=text("gres_name"), signal_delay_s=signal_delay_s, environment=env, setup=lines("setup"),
         container=container, python=strings["python"], sbatch_options=sbatch_options,
     )
+    for key, value in site.script_values():
+        try:
+            check_one_line(value, key)
+        except LaunchError as e:
+            raise fail(key, str(e)) from None
+    return site
 
 
 def _article(word: str) -> str:

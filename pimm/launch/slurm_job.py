@@ -24,8 +24,15 @@ import sys
 import time
 from pathlib import Path
 
+from pimm.checkpoint.layout import candidates
+from pimm.config import read_run_config
 from pimm.errors import EXIT_BAD_INPUT, EXIT_CHAIN_STOPPED, EXIT_CHECKPOINTED, PimmError
+from pimm.launch import node as agent
+from pimm.launch.plan import plan_from_run
+from pimm.launch.resume import completed_run
+from pimm.launch.run_lock import RunLock
 from pimm.launch.sbatch import NOTHING_TO_DO
+from pimm.launch.slurm import SlurmStep
 
 CHAIN_FILE = "slurm/chain.json"
 
@@ -64,19 +71,14 @@ def queued_jobs(run_dir: Path) -> list[int]:
 
 
 def newest_checkpoint_step(run_dir: Path) -> int | None:
-    from pimm.checkpoint.layout import candidates
-
     complete, _ = candidates(run_dir / "model")
     return complete[0].step if complete else None
 
 
 def _completed(run_dir: Path) -> bool:
     """The run already trained every step of its config.py (the rules of `--train.resume`)."""
-    from pimm.config import load_config
-    from pimm.launch.resume import completed_run
-
     try:
-        return completed_run(run_dir, load_config(run_dir / "config.py")) is not None
+        return completed_run(run_dir, read_run_config(run_dir / "config.py")) is not None
     except PimmError:
         return False
 
@@ -149,11 +151,6 @@ def end(run_dir: Path, submission_id: str, status: int) -> int:
 # -- one node of the training step -------------------------------------------------------------
 
 def node(run_dir: Path) -> int:
-    from pimm.launch import node as agent
-    from pimm.launch.plan import plan_from_run
-    from pimm.launch.run_lock import RunLock
-    from pimm.launch.slurm import SlurmStep
-
     step = SlurmStep.from_env()
     if step is None or step.step_id is None:
         raise PimmError("pimm.launch.slurm_job node runs inside `srun` of a job that `pimm submit` queued")

@@ -21,7 +21,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
 from torch.distributed.run import parse_args, run
 
-from pimm.launch.node import REPORT_DIR_ENV, first_causes
+from pimm.engine.failure import REPORT_DIR_ENV
+from pimm.launch.node import first_causes
 from pimm.signals import handle_once
 
 _signalled: set[int] = set()  # pids of the workers torchrun signalled (to stop the group)

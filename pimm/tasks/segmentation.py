@@ -16,9 +16,9 @@ from torch import nn
 
 from pimm.config.validate import DEFAULT_LOSS, SEGMENTATION_METRICS, check_segmentation_options
 from pimm.data.collate import offset_to_batch_index
-from pimm.engine.metrics import SegmentationMeter
 from pimm.tasks.base import Meter, Task, TaskOutput
 from pimm.tasks.losses import LOSSES, CrossEntropy
+from pimm.tasks.metrics import SegmentationMeter
 
 
 def event_mean_loss(logits: torch.Tensor, target: torch.Tensor, offset: torch.Tensor,

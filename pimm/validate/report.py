@@ -7,22 +7,22 @@ import math
 import shutil
 from pathlib import Path
 
-from pimm.engine.plot import save_png
+from pimm.engine.plot import pyplot, save_png
 from pimm.json_io import dumps
 from pimm.validate.runs import Run, train_losses
-from pimm.validate.scaling import LOSS_RTOL
 
 PLOT = "loss_curves.png"
 
 
-def write_report(out: Path, report: dict, runs: dict[str, Run]) -> None:
+def write_report(out: Path, report: dict, runs: dict[str, Run], loss_rtol: float) -> None:
+    """Everything in `out`; loss_rtol: the tolerance of the loss check, drawn on the plot."""
     copied = out / "provenance"
     copied.mkdir(exist_ok=True)
     for run in runs.values():
         if (run.run_dir / "provenance.json").exists():
             shutil.copyfile(run.run_dir / "provenance.json", copied / f"{run.run_dir.name}.json")
     train = {r.world_size: r for name, r in runs.items() if name.startswith("train-")}
-    report["plot"] = PLOT if plot_losses(train, out / PLOT) else None
+    report["plot"] = PLOT if plot_losses(train, out / PLOT, loss_rtol) else None
     (out / "report.json").write_text(dumps(report, indent=2) + "\n")  # a non-finite number: null
     (out / "report.md").write_text(markdown(report))
 
@@ -77,18 +77,14 @@ def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def plot_losses(train: dict[int, Run], out_path: Path) -> bool:
-    """Train loss per step of every rank count, and each one's relative difference from the first."""
+def plot_losses(train: dict[int, Run], out_path: Path, loss_rtol: float) -> bool:
+    """Train loss per step of every rank count, and each one's relative difference from the first
+    with the tolerance `loss_rtol` drawn across."""
     curves = {r: train_losses(run.run_dir) for r, run in sorted(train.items())}
     curves = {r: c for r, c in curves.items() if c}
     if not curves:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_loss, ax_diff) = pyplot().subplots(1, 2, figsize=(10, 4))
     (first, ref), *_ = curves.items()
     for r, losses in curves.items():
         steps = sorted(losses)
@@ -102,7 +98,7 @@ def plot_losses(train: dict[int, Run], out_path: Path) -> bool:
     ax_loss.legend()
     ax_diff.set_xlabel("optimizer step")
     ax_diff.set_ylabel("relative difference of the loss (1e-12: equal)")
-    ax_diff.axhline(LOSS_RTOL, color="grey", linestyle=":", label="tolerance")
+    ax_diff.axhline(loss_rtol, color="grey", linestyle=":", label="tolerance")
     ax_diff.legend()
     save_png(fig, out_path)
     return True

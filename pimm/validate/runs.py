@@ -180,16 +180,9 @@ def step_event_ids(run_dir: Path) -> dict[int, list[int]]:
     return {s: [i for r in sorted(ranks) for i in ranks[r]] for s, ranks in sorted(by_step.items())}
 
 
-def attempts(run_dir: Path) -> list[dict]:
-    try:
-        return json.loads((run_dir / "provenance.json").read_text())["attempts"]
-    except (OSError, ValueError, KeyError):
-        return []
-
-
 def final_weights(run_dir: Path) -> dict:
     """model/last/weights.pth as tensors (no pickle)."""
-    import torch
+    import torch  # deferred: seconds to import; refusing bad input (exit 2) does without
 
     return torch.load(run_dir / "model" / "last" / "weights.pth", weights_only=True, map_location="cpu")
 

@@ -1,4 +1,5 @@
-"""Where configs are looked up: ./configs first, then the configs/ shipped beside the package."""
+"""Where config names are looked up: ./configs first, then the configs/ shipped beside the package
+(REPO_ROOT: the checkout pimm runs from)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,18 @@
-"""Segmentation metrics aggregated exactly across ranks through an all-reduced confusion matrix."""
+"""Segmentation metrics: aggregated exactly across ranks through an all-reduced confusion matrix
+during evaluation (`SegmentationMeter`), or recomputed from a prediction file afterwards
+(`metrics_from_predictions`); both through `metrics_from_confusion`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 import torch
 
+from pimm.data.predictions import IGNORE_LABEL, open_predictions
 from pimm.distributed.env import all_reduce_sum
+from pimm.errors import DataError
 
 
 class SegmentationMeter:
@@ -85,3 +93,25 @@ def metrics_from_confusion(confusion: torch.Tensor, loss_sum: float, events: int
         "events": events,
         "points": int(counts.sum()),
     }
+
+
+def metrics_from_predictions(path: str | Path, ignore_index: int = IGNORE_LABEL) -> dict[str, Any]:
+    """Segmentation metrics recomputed from a labelled prediction file (`pimm.data.predictions`),
+    reading it in chunks: `metrics_from_confusion`'s metrics without the loss (prediction files
+    hold none), the confusion (C x C, rows truth, columns prediction) as nested lists. Points
+    labelled `ignore_index` are left out; DataError for another truth label outside 0..C-1."""
+    with open_predictions(path) as preds:
+        c = preds.num_classes
+        confusion = np.zeros(c * c, np.int64)
+        for truth, pred in preds.labelled_points():
+            keep = truth != ignore_index
+            truth, pred = truth[keep], pred[keep]
+            bad = (truth < 0) | (truth >= c)
+            if bad.any():
+                raise DataError(f"{preds.path}: truth label {int(truth[bad][0])} is outside 0..{c - 1} and is not "
+                                f"ignore_index={ignore_index}")
+            confusion += np.bincount(truth * c + pred, minlength=c * c)
+        events = preds.num_events
+    metrics = metrics_from_confusion(torch.from_numpy(confusion.reshape(c, c)).double(), 0.0, events)
+    del metrics["loss"]
+    return metrics
