@@ -21,6 +21,10 @@ import tokenize
 from pathlib import Path
 from typing import Any
 
+from pimm.cli import build_parser
+from pimm.config import load_config
+from pimm.config.validate import LOSS_OPTIONS, RULES, SEGMENTATION_METRICS, SPLITS
+
 REPO = Path(__file__).resolve().parent.parent
 BASE_CONFIG = REPO / "configs" / "_base_" / "default_runtime.py"
 CONFIG_PAGE = REPO / "docs" / "reference" / "config.md"
@@ -30,8 +34,6 @@ USAGE_WIDTH = 100  # usage lines are wrapped at a fixed width, not the terminal'
 
 def rules_elsewhere() -> dict[str, str]:
     """Rules of keys that `pimm.config.validate.RULES` leaves to other checks, in words."""
-    from pimm.config.validate import LOSS_OPTIONS, SEGMENTATION_METRICS
-
     per_rank = "an integer >= 1 that world size x grad_accum_steps divides, or None (one event per rank)"
     return {
         "batch_size": "an integer >= 1 that world size x grad_accum_steps divides (checked with the world size, "
@@ -116,9 +118,6 @@ def _flatten(cfg: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 def config_rows(path: Path = BASE_CONFIG) -> list[dict[str, Any]]:
     """One row per dotted key of the base config: key, default, comment, rule, required."""
-    from pimm.config import load_config
-    from pimm.config.validate import RULES
-
     cfg = load_config(path)
     comments = config_comments(path.read_text())
     rules = {key: (required, rule.allowed) for key, required, rule in RULES}
@@ -151,8 +150,6 @@ def _code(value: Any) -> str:
 
 
 def render_config(path: Path = BASE_CONFIG) -> str:
-    from pimm.config.validate import RULES, SPLITS
-
     rows = config_rows(path)
     base_keys = {row["key"] for row in rows}
     out = [
@@ -229,8 +226,6 @@ def _flag_name(action: argparse.Action) -> str:
 
 def cli_flags(parser: argparse.ArgumentParser | None = None) -> dict[str, list[str]]:
     """Command line ('pimm launch') -> its option strings, for every command that takes flags."""
-    from pimm.cli import build_parser
-
     parser = parser or build_parser()
     out = {}
     for line, sub in _subcommands(parser, "pimm"):
@@ -239,8 +234,6 @@ def cli_flags(parser: argparse.ArgumentParser | None = None) -> dict[str, list[s
 
 
 def render_cli() -> str:
-    from pimm.cli import build_parser
-
     parser = build_parser()
     out = [
         "# Command line",

@@ -177,6 +177,7 @@ class StopRequest:
         """Called once per step on every rank; True on all ranks at the same step when any rank has
         a request. The flags are all-reduced asynchronously and read one step later, so the check
         adds no synchronisation point to the step (a signal is honoured one step later)."""
+        # deferred: the launcher uses this module without torch (see the module docstring)
         import torch
         import torch.distributed as dist
 
@@ -197,6 +198,7 @@ class StopRequest:
     def agreed_now(self) -> bool:
         """A blocking agreement (at epoch boundaries, e.g. after a validation that a signal
         interrupted): True on every rank if any rank has a request by now."""
+        # deferred: the launcher uses this module without torch (see the module docstring)
         import torch
         import torch.distributed as dist
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import fcntl
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,15 +26,19 @@ REPO = Path(__file__).resolve().parents[1]
 SLURM_HOWTO = "start the local two-node cluster with `bash scripts/slurm_local.sh up`"
 
 
+def slurm_cluster_answers() -> bool:
+    """Whether a Slurm cluster answers `sinfo`."""
+    try:
+        return shutil.which("sinfo") is not None and subprocess.run(
+            ["sinfo", "-h"], capture_output=True, timeout=30, check=False).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
 def require_slurm_cluster() -> None:
     """Skip the calling test when no Slurm cluster answers `sinfo`; fail instead when the run must
     have one (PIMM_REQUIRE_SLURM=1, which .ci/run sets, or CI)."""
-    try:
-        ok = shutil.which("sinfo") is not None and subprocess.run(
-            ["sinfo", "-h"], capture_output=True, timeout=30, check=False).returncode == 0
-    except subprocess.TimeoutExpired:
-        ok = False
-    if ok:
+    if slurm_cluster_answers():
         return
     if os.environ.get("PIMM_REQUIRE_SLURM") == "1" or os.environ.get("CI"):
         pytest.fail(f"no Slurm cluster answers `sinfo`, and this test run requires one (PIMM_REQUIRE_SLURM=1 or CI "
@@ -63,6 +70,15 @@ def wait_for_slurm_jobs(jobs: list[int], timeout: float = 300) -> list[dict]:
     raise AssertionError(f"Slurm jobs {jobs} did not end within {timeout} s: {[slurm_job_state(j) for j in jobs]}")
 
 
+def pytest_collection_modifyitems(config, items):
+    """For pytest-xdist's `--dist loadgroup` (make test): each test file runs whole on one worker, so its
+    module fixtures are made once; the tests marked `slurm` run on one worker, one after another, so
+    that the local two-node cluster runs one test's jobs at a time."""
+    for item in items:
+        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture
 def free_port() -> int:
     with socket.socket() as s:
@@ -70,16 +86,78 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# -- what several test files share: made once per test run, also under pytest-xdist --------------------
+
+def _encode(value):
+    """A shared fixture's result as JSON (see once)."""
+    if isinstance(value, Path):
+        return {"path": str(value)}
+    if isinstance(value, subprocess.CompletedProcess):
+        fields = {"args": value.args, "returncode": value.returncode, "stdout": value.stdout, "stderr": value.stderr}
+        if hasattr(value, "run_dir"):
+            fields["run_dir"] = str(value.run_dir)
+        return {"process": fields}
+    if isinstance(value, Checklist):
+        return {"checklist": _encode(dataclasses.asdict(value))}
+    if isinstance(value, (list, tuple)):
+        return {type(value).__name__: [_encode(v) for v in value]}
+    if isinstance(value, dict):
+        return {"dict": [[_encode(k), _encode(v)] for k, v in value.items()]}
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise TypeError(f"a shared fixture cannot return a {type(value).__name__}: add it to _encode and _decode")
+
+
+def _decode(value):
+    if not isinstance(value, dict):
+        return value
+    (kind, body), = value.items()
+    if kind == "path":
+        return Path(body)
+    if kind == "process":
+        res = subprocess.CompletedProcess(body["args"], body["returncode"], body["stdout"], body["stderr"])
+        if "run_dir" in body:
+            res.run_dir = Path(body["run_dir"])
+        return res
+    if kind == "checklist":
+        return Checklist(**_decode(body))
+    if kind in ("list", "tuple"):
+        items = [_decode(v) for v in body]
+        return items if kind == "list" else tuple(items)
+    return {_decode(k): _decode(v) for k, v in body}
+
+
+def once(tmp_path_factory, name: str, make):
+    """make(a new directory named `name`): what a session fixture shares, made once per test run. Under
+    pytest-xdist each worker process has its own session fixtures: the first worker to ask makes the
+    result under a file lock in the directory its workers share and leaves it there as JSON; the others
+    wait for the lock and read it. Without xdist, make runs here as in any session fixture."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent / "shared"  # this run's, common to its workers
+    shared.mkdir(exist_ok=True)
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        saved = shared / f"{name}.json"
+        if saved.exists():
+            return _decode(json.loads(saved.read_text()))
+        directory = shared / name
+        shutil.rmtree(directory, ignore_errors=True)  # left by a worker whose make failed
+        directory.mkdir()
+        result = make(directory)
+        saved.write_text(json.dumps(_encode(result)))
+        return result
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> dict[str, Path]:
-    """Small train/val event files, generated once per test session."""
+    """Small train/val event files, generated once per test run."""
     from pimm.data.synth import write_dataset
 
-    root = tmp_path_factory.mktemp("data")
-    return {
+    return once(tmp_path_factory, "data", lambda root: {
         "train": write_dataset(root / "train.h5", 48, seed=11),
         "val": write_dataset(root / "val.h5", 12, seed=12),
-    }
+    })
 
 
 def run_pimm(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -169,9 +247,12 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory, tiny_data):
     """An uninterrupted 2-rank run of 2 epochs (24 steps)."""
-    res, run_dir = launch(tmp_path_factory.mktemp("ref"), tiny_data, 2, name="ref")
-    assert res.returncode == 0, res.stderr
-    return run_dir
+    def make(exp: Path) -> Path:
+        res, run_dir = launch(exp, tiny_data, 2, name="ref")
+        assert res.returncode == 0, res.stderr
+        return run_dir
+
+    return once(tmp_path_factory, "reference", make)
 
 
 @pytest.fixture(scope="session")
@@ -180,11 +261,14 @@ def tested_run(tmp_path_factory, tiny_data) -> subprocess.CompletedProcess:
     override), so its launch ended with `pimm test` of the best model (RUN/eval/test-best). Shared by
     tests/test_evaluate.py, tests/test_predict.py and tests/test_robust_cli.py, which read it and write
     their outputs elsewhere. The result's `run_dir` is the run directory; its stdout, the launch's."""
-    res, run_dir = launch(tmp_path_factory.mktemp("tested"), tiny_data, 1, "max_steps=4",
-                          f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}", name="evalrun")
-    assert res.returncode == 0, res.stderr
-    res.run_dir = run_dir
-    return res
+    def make(exp: Path) -> subprocess.CompletedProcess:
+        res, run_dir = launch(exp, tiny_data, 1, "max_steps=4",
+                              f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}", name="evalrun")
+        assert res.returncode == 0, res.stderr
+        res.run_dir = run_dir
+        return res
+
+    return once(tmp_path_factory, "tested", make)
 
 
 @pytest.fixture(scope="session")
@@ -192,15 +276,18 @@ def evaluations(tested_run, tmp_path_factory) -> dict[str, tuple[subprocess.Comp
     """`pimm test` of tested_run's best model on its data.test: at 1 rank (saving predictions), at 2 ranks
     under DDP (saving predictions and scores) and at 2 ranks under FSDP2: name -> (result, --out folder).
     Read by tests/test_evaluate.py and tests/test_predict.py."""
-    root = tmp_path_factory.mktemp("evaluations")
-    done = {}
-    for name, nproc, args, overrides in (("one", 1, ("--save-predictions",), ()),
-                                         ("ddp", 2, ("--save-predictions", "--save-scores"), ()),
-                                         ("fsdp2", 2, (), ("parallel.strategy=fsdp2",))):
-        out = root / name
-        done[name] = run_pimm(["test", "--run-dir", str(tested_run.run_dir), "--resources.nproc-per-node", str(nproc),
-                               "--out", str(out), *args, *(["--", *overrides] if overrides else [])], cwd=REPO), out
-    return done
+    def make(root: Path) -> dict:
+        done = {}
+        for name, nproc, args, overrides in (("one", 1, ("--save-predictions",), ()),
+                                             ("ddp", 2, ("--save-predictions", "--save-scores"), ()),
+                                             ("fsdp2", 2, (), ("parallel.strategy=fsdp2",))):
+            out = root / name
+            done[name] = run_pimm(["test", "--run-dir", str(tested_run.run_dir), "--resources.nproc-per-node",
+                                   str(nproc), "--out", str(out), *args, *(["--", *overrides] if overrides else [])],
+                                  cwd=REPO), out
+        return done
+
+    return once(tmp_path_factory, "evaluations", make)
 
 
 # One pair of runs, at 1 and at 2 ranks, of the same initial weights (lr=0: every step sees them) with
@@ -219,14 +306,16 @@ def lr0_launches(tmp_path_factory, tiny_data) -> dict[int, tuple[subprocess.Comp
     """nproc (1, 2) -> (the launch's result, run directory) of LR0_OVERRIDES. Their configs also have a
     data.test (the tiny val file) with test_after_training=false, which tests/test_evaluate.py checks:
     the finished launches ran no `pimm test`."""
-    exp = tmp_path_factory.mktemp("lr0")
-    done = {}
-    for nproc in (1, 2):
-        res, run_dir = launch(exp, tiny_data, nproc, *LR0_OVERRIDES, "test_after_training=false",
-                              f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}", name=f"n{nproc}")
-        assert res.returncode == 0, res.stderr[-3000:]
-        done[nproc] = res, run_dir
-    return done
+    def make(exp: Path) -> dict:
+        done = {}
+        for nproc in (1, 2):
+            res, run_dir = launch(exp, tiny_data, nproc, *LR0_OVERRIDES, "test_after_training=false",
+                                  f"data.test={{type: LArTPCDataset, path: {tiny_data['val']}}}", name=f"n{nproc}")
+            assert res.returncode == 0, res.stderr[-3000:]
+            done[nproc] = res, run_dir
+        return done
+
+    return once(tmp_path_factory, "lr0", make)
 
 
 @pytest.fixture(scope="session")
@@ -239,9 +328,12 @@ def lr0_runs(lr0_launches) -> dict[int, Path]:
 def interrupted(tmp_path_factory, tiny_data) -> Path:
     """A 1-rank run stopped at step 2 (status 75) with one complete checkpoint. Shared: a test that
     resumes or damages it works on its own copy (copy_exp)."""
-    res, run_dir = launch(tmp_path_factory.mktemp("interrupted"), tiny_data, 1, "debug.interrupt_at_step=2")
-    assert res.returncode == 75, res.stderr
-    return run_dir
+    def make(exp: Path) -> Path:
+        res, run_dir = launch(exp, tiny_data, 1, "debug.interrupt_at_step=2")
+        assert res.returncode == 75, res.stderr
+        return run_dir
+
+    return once(tmp_path_factory, "interrupted", make)
 
 
 @pytest.fixture(scope="session")
@@ -255,15 +347,18 @@ def killed_in_checkpoint(tmp_path_factory, tiny_data) -> tuple[Path, list[str]]:
     loggers = [f"{name}.enabled=true" for name in ("tensorboard", "wandb") if importlib.util.find_spec(name)]
     if any(x.startswith("wandb") for x in loggers):
         loggers.append("wandb.system_metrics=false")
-    exp = tmp_path_factory.mktemp("killed")
-    res, run_dir = launch(exp, tiny_data, 1, *loggers, "checkpoint_every_n_steps=4",
-                          "debug.kill_during_checkpoint_at_step=8")
-    assert res.returncode != 0
-    board = run_dir / "tensorboard"
-    killed_files = sorted(p.name for p in board.iterdir()) if board.is_dir() else []
-    res, run_dir = launch(exp, tiny_data, 1, "checkpoint_every_n_steps=4", resume=True)
-    assert res.returncode == 0, res.stderr
-    return run_dir, killed_files
+
+    def make(exp: Path) -> tuple[Path, list[str]]:
+        res, run_dir = launch(exp, tiny_data, 1, *loggers, "checkpoint_every_n_steps=4",
+                              "debug.kill_during_checkpoint_at_step=8")
+        assert res.returncode != 0
+        board = run_dir / "tensorboard"
+        killed_files = sorted(p.name for p in board.iterdir()) if board.is_dir() else []
+        res, run_dir = launch(exp, tiny_data, 1, "checkpoint_every_n_steps=4", resume=True)
+        assert res.returncode == 0, res.stderr
+        return run_dir, killed_files
+
+    return once(tmp_path_factory, "killed", make)
 
 
 @pytest.fixture(scope="session")
@@ -274,9 +369,51 @@ def interrupted_at_7(tmp_path_factory, tiny_data) -> Path:
     import importlib.util
 
     board = ["tensorboard.enabled=true"] if importlib.util.find_spec("tensorboard") else []
-    res, run_dir = launch(tmp_path_factory.mktemp("at7"), tiny_data, 2, *board, "debug.interrupt_at_step=7")
-    assert res.returncode == 75, res.stderr
-    return run_dir
+
+    def make(exp: Path) -> Path:
+        res, run_dir = launch(exp, tiny_data, 2, *board, "debug.interrupt_at_step=7")
+        assert res.returncode == 75, res.stderr
+        return run_dir
+
+    return once(tmp_path_factory, "at7", make)
+
+
+@dataclasses.dataclass
+class Checklist:
+    """One `pimm validate-scaling` of the tiny config at 1 and 2 ranks (passing_checklist)."""
+
+    exit_status: int  # the checklist's own: the direct run's, or the Slurm job's
+    log: str  # its output: the direct run's stdout and stderr, or the job's log
+    out: Path  # the --out folder (report.json, report.md, provenance/, ...)
+    job: int | None = None  # the Slurm job that ran it, if one did
+    job_state: dict | None = None  # that job's final `scontrol show job`
+
+
+@pytest.fixture(scope="session")
+def passing_checklist(tmp_path_factory, tiny_data) -> Checklist:
+    """The scaling checklist of the tiny config at 1 and 2 ranks, run once for tests/test_validate_scaling.py
+    (its report) and tests/test_slurm.py (the job): where a Slurm cluster answers, as one job of the local
+    cluster (`--site local-slurm`, whose batch script runs this same `pimm validate-scaling` without
+    --site), otherwise directly."""
+    def make(tmp: Path) -> Checklist:
+        out = tmp / "validate"
+        args = ["validate-scaling", "--train.config", TINY, "--ranks", "1,2", "--out", str(out), "--",
+                f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}"]
+        if not slurm_cluster_answers():
+            res = run_pimm(args, cwd=REPO, timeout=400)
+            return Checklist(res.returncode, res.stdout + res.stderr, out)
+        res = run_pimm([*args[:1], "--site", "local-slurm", *args[1:]], cwd=tmp)
+        assert res.returncode == 0, res.stdout + res.stderr
+        job = int(re.search(r"queued Slurm job (\d+)", res.stdout).group(1))
+        try:
+            (state,) = wait_for_slurm_jobs([job], timeout=400)
+        finally:
+            subprocess.run(["scancel", str(job)], check=False, capture_output=True, timeout=30)  # this job only
+        log = out / f"slurm-{job}.out"
+        return Checklist(int(state["ExitCode"].split(":")[0]), log.read_text() if log.exists() else "(no job log)",
+                         out, job, state)
+
+    return once(tmp_path_factory, "checklist", make)
 
 
 def copy_exp(run_dir: Path, tmp_path: Path) -> Path:
@@ -291,9 +428,12 @@ def copy_exp(run_dir: Path, tmp_path: Path) -> Path:
 def reference_1rank(tmp_path_factory, tiny_data):
     """The same uninterrupted run as `reference` (2 epochs, 24 steps) on 1 process: the same events at
     every step, float sums in another order."""
-    res, run_dir = launch(tmp_path_factory.mktemp("ref1"), tiny_data, 1, name="ref1")
-    assert res.returncode == 0, res.stderr
-    return run_dir
+    def make(exp: Path) -> Path:
+        res, run_dir = launch(exp, tiny_data, 1, name="ref1")
+        assert res.returncode == 0, res.stderr
+        return run_dir
+
+    return once(tmp_path_factory, "reference_1rank", make)
 
 
 def start_launch(exp, tiny_data, nproc, *overrides, name="run", extra=()) -> subprocess.Popen:

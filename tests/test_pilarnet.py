@@ -143,8 +143,8 @@ def test_published_feature_normalisation_against_a_hand_computation(tmp_path: Pa
         PILArNetDataset(path, features="unit")
     # an export records how its inputs were computed; pimm predict reads new data the same way
     from pimm.cli.export import export_config
-    from pimm.launch.predict import _data_source
     from pimm.config import load_config
+    from pimm.launch.predict import _data_source
 
     cfg = load_config(REPO / "configs" / "pilarnet" / "semseg.py")
     recorded = export_config(cfg, "last", 3)["preprocessing"]

@@ -14,7 +14,8 @@ from conftest import REPO, TINY, attempts, pimm_in_process, run_pimm
 def test_slurm_tests_skip_without_a_cluster_and_fail_where_one_is_required(tmp_path):
     def run_one(**env) -> subprocess.CompletedProcess:
         # no sinfo on PATH: as on a machine without Slurm
-        clean = {k: v for k, v in os.environ.items() if k not in ("CI", "PIMM_REQUIRE_SLURM")}
+        clean = {k: v for k, v in os.environ.items()
+                 if k not in ("CI", "PIMM_REQUIRE_SLURM") and not k.startswith("PYTEST_XDIST")}
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                                "tests/test_slurm.py", "-k", "test_srun_pimm_launch_inside_an_allocation"],
                               cwd=REPO, env={**clean, "PATH": str(tmp_path), **env}, capture_output=True,

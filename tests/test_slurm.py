@@ -28,6 +28,7 @@ from conftest import (
     weights,
 )
 
+pytestmark = pytest.mark.slurm  # one worker, one test at a time, under xdist (conftest)
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 # 48 events / global batch 4 = 12 steps per epoch; 4 global loader workers = 1 per rank (workers on)
 CHAIN_RUN = ("epochs=4", "num_worker=4", "log_event_ids=true")
@@ -271,16 +272,14 @@ def test_a_two_node_run_continues_on_one_machine_only_when_asked(uninterrupted):
     assert "world size: 2 (1 node(s) x 2 process(es)" in res.stdout
 
 
-def test_validate_scaling_runs_as_a_slurm_job_and_leaves_its_report(slurm, tmp_path, tiny_data):
-    out = tmp_path / "validate"
-    res = run_pimm(["validate-scaling", "--site", "local-slurm", "--train.config", TINY, "--ranks", "1,2",
-                    "--out", str(out), "--", *data_args(tiny_data)], cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
-    job = int(re.search(r"queued Slurm job (\d+)", res.stdout).group(1))
-    with cancelled_at_exit([job]):
-        (state,) = wait_for_slurm_jobs([job])
+def test_validate_scaling_runs_as_a_slurm_job_and_leaves_its_report(slurm, passing_checklist):
+    """conftest's passing_checklist, which ran as one job of the local cluster (its report's contents:
+    tests/test_validate_scaling.py)."""
+    job, state, out = passing_checklist.job, passing_checklist.job_state, passing_checklist.out
+    assert job is not None, "the cluster answers, yet the checklist did not run as a Slurm job"
     log = (out / f"slurm-{job}.out").read_text()
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", log
+    assert state["NumNodes"] == "1"  # the checklist's runs share one node
     report = json.loads((out / "report.json").read_text())
     assert report["verdict"] == "PASS" and all(c["status"] == "PASS" for c in report["checks"])
     assert "--signal" not in (out / "validate-scaling.sbatch").read_text()  # USR1 would end the checklist's driver

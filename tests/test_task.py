@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, launch, pimm_in_process
+from conftest import TINY, launch, launch_args, pimm_in_process
 
 from pimm.data.synth import write_pilarnet
 from pimm.tasks import SemanticSegmentation, TaskOutput, build_task, event_mean_loss
@@ -101,18 +101,19 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in recs if r["kind"] == "train"]
 
 
-def test_class_weights_and_best_metric_reach_training(tmp_path: Path, tiny_data) -> None:
-    """Equal weights reproduce the unweighted losses; unequal ones change them; best_metric=loss picks
-    model_best by the lowest validation loss and records it."""
+def test_class_weights_and_best_metric_reach_training(tmp_path: Path, tiny_data, reference_1rank) -> None:
+    """Equal weights reproduce the unweighted losses (the first steps of conftest's uninterrupted 1-rank
+    run: constant learning rate); unequal ones change them; best_metric=loss picks model_best by the
+    lowest validation loss and records it."""
     common = ("max_steps=3", "epochs=1")
-    plain, plain_dir = launch(tmp_path, tiny_data, 1, *common, name="plain")
+    plain = _losses(reference_1rank)[:3]
     equal, equal_dir = launch(tmp_path, tiny_data, 1, *common, "task.class_weights=[2,2,2,2,2]", name="equal")
     skewed, skewed_dir = launch(tmp_path, tiny_data, 1, *common, "task.class_weights=[1,5,1,1,0.2]",
                                 "task.best_metric=loss", name="skewed")
-    for res in (plain, equal, skewed):
+    for res in (equal, skewed):
         assert res.returncode == 0, res.stderr
-    assert _losses(equal_dir) == pytest.approx(_losses(plain_dir), rel=1e-6)
-    assert _losses(skewed_dir)[0] != pytest.approx(_losses(plain_dir)[0], rel=1e-3)
+    assert _losses(equal_dir) == pytest.approx(plain, rel=1e-6)
+    assert _losses(skewed_dir)[0] != pytest.approx(plain[0], rel=1e-3)
     best = json.loads((skewed_dir / "model" / "model_best.json").read_text())
     val = [json.loads(ln) for ln in (skewed_dir / "metrics.jsonl").read_text().splitlines()]
     val_loss = [r["loss"] for r in val if r["kind"] == "val"]
@@ -120,7 +121,8 @@ def test_class_weights_and_best_metric_reach_training(tmp_path: Path, tiny_data)
     summary = json.loads((skewed_dir / "summary.json").read_text())
     assert summary["best_metric"] == "loss" and summary["best_value"] == pytest.approx(min(val_loss))
 
-    again, _ = launch(tmp_path, tiny_data, 1, *common, "task.class_weights=[1,5,1,1,0.2]", "task.best_metric=miou",
-                      name="skewed", resume=True)
+    # refused before any process starts
+    again = pimm_in_process(launch_args(tmp_path, tiny_data, 1, *common, "task.class_weights=[1,5,1,1,0.2]",
+                                        "task.best_metric=miou", name="skewed", resume=True))
     assert again.returncode == 2
     assert "task.best_metric: 'loss' in the run, 'miou' now" in again.stderr

@@ -23,9 +23,12 @@ def _status(report: dict) -> dict[str, str]:
     return {c["id"]: c["status"] for c in report["checks"]}
 
 
-def test_the_checklist_passes_on_the_tiny_config_at_1_and_2_ranks(tmp_path, tiny_data):
-    res, out, report = _validate(tmp_path, tiny_data)
-    assert res.returncode == 0, res.stdout + res.stderr
+@pytest.mark.slurm  # where a cluster answers, the checklist runs as a Slurm job
+def test_the_checklist_passes_on_the_tiny_config_at_1_and_2_ranks(passing_checklist):
+    """conftest's passing_checklist: run directly, or as the Slurm job that tests/test_slurm.py checks."""
+    assert passing_checklist.exit_status == 0, passing_checklist.log
+    out = passing_checklist.out
+    report = json.loads((out / "report.json").read_text())
     assert report["verdict"] == "PASS"
     assert _status(report) == dict.fromkeys(CHECKS, "PASS")
     checks = {c["id"]: c for c in report["checks"]}

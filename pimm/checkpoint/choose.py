@@ -37,6 +37,7 @@ from pimm.errors import PimmError
 
 _STEP = re.compile(r"step_(\d+)")
 _HOLD_TRIES = 8  # a training replaces a checkpoint every few seconds at most: a few tries find one that stays
+_CORRUPT_AFTER = 3  # the same file not matching the same record this often (0.15 s apart at least) is damaged
 
 
 def _best_record(run_dir: Path) -> dict:
@@ -203,10 +204,12 @@ def hold_weights(run_dir: Path, which: str, into: Path) -> HeldWeights:
     """The weights `--checkpoint which` names, held at `into` (see the module docstring), with the step
     and sha256 of the checkpoint they come from. A checkpoint that a training rotates away or replaces
     while it is taken is taken again (the newest `which` then); PimmError when none can be chosen,
-    CheckpointError when the weights do not match their checkpoint's record (a corrupt file)."""
+    CheckpointError when a file that stays the same keeps not matching its record (a corrupt file)."""
+    seen, repeats = None, 0
     for attempt in range(_HOLD_TRIES):
         try:
             source, step, expected = _recorded(run_dir, which)
+            taken = (source, step, expected, _file_key(source))
             _take(source, into)
         except _Moved:
             time.sleep(0.05 * (attempt + 1))
@@ -215,14 +218,22 @@ def hold_weights(run_dir: Path, which: str, into: Path) -> HeldWeights:
         if expected is None or digest == expected:
             return HeldWeights(into, source, step, digest)
         into.unlink()
-        stayed = False
-        with contextlib.suppress(_Moved):
-            stayed = _recorded(run_dir, which) == (source, step, expected)
-        if stayed:  # the checkpoint is still there, as recorded: its file is damaged
+        repeats = repeats + 1 if taken == seen else 1
+        seen = taken
+        if repeats == _CORRUPT_AFTER:  # the same file and record each time: not a write in flight
             raise CheckpointError(f"corrupt checkpoint file {source}: its sha256 does not match its checkpoint's "
                                   f"record; choose another checkpoint ({_available(run_dir)})")
-        time.sleep(0.05 * (attempt + 1))  # replaced while it was taken: take the new one
+        time.sleep(0.05 * (attempt + 1))  # replaced while it was taken, or its record not yet: again
     raise _changing(run_dir, which)
+
+
+def _file_key(path: Path) -> tuple[int, int, int]:
+    """What tells a replaced file from the one before: inode, size, modification time."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise _Moved from None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _changing(run_dir: Path, which: str) -> PimmError:

@@ -6,12 +6,11 @@ import argparse
 import sys
 
 from pimm import __version__
+from pimm.cli import bench, data, evaluate, export, launch, ls, predict, show, submit, validate_scaling
 from pimm.errors import EXIT_BAD_INPUT, PimmError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pimm.cli import bench, data, evaluate, export, launch, ls, predict, show, submit, validate_scaling
-
     parser = argparse.ArgumentParser(
         prog="pimm",
         description="Distributed training for 3D point clouds from particle-imaging detectors.",

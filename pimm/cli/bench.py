@@ -10,8 +10,12 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from pimm.config.paths import REPO_ROOT
+from pimm.config import apply_overrides, load_config, parse_overrides, resolve_config_path
+from pimm.config.paths import REPO_ROOT, config_roots
+from pimm.config.validate import check_config
+from pimm.distributed.batch import plan_batches
 from pimm.errors import ConfigError, LaunchError
+from pimm.names import NOT_IMPLEMENTED_STRATEGIES, PARALLEL_STRATEGIES
 
 BENCHMARKS = REPO_ROOT / "benchmarks"
 
@@ -70,8 +74,6 @@ def parse_ranks(text: str) -> list[int]:
 
 
 def parse_strategies(text: str) -> list[str]:
-    from pimm.names import NOT_IMPLEMENTED_STRATEGIES, PARALLEL_STRATEGIES
-
     names = [part.strip() for part in text.split(",") if part.strip()]
     for name in names:
         if name in NOT_IMPLEMENTED_STRATEGIES:
@@ -87,17 +89,12 @@ def parse_strategies(text: str) -> list[str]:
 
 def resolve(config: str, overrides: list[str], ranks: list[int], strategies: list[str]) -> dict:
     """The resolved config, checked against every world size (batch split) and, for FSDP2, the model."""
-    from pimm.config import apply_overrides, load_config, parse_overrides, resolve_config_path
-    from pimm.config.paths import config_roots
-    from pimm.config.validate import check_config
-    from pimm.distributed.batch import plan_batches
-
     cfg = apply_overrides(load_config(resolve_config_path(config, config_roots())), parse_overrides(overrides))
     check_config(cfg)
     for world in ranks:
         plan_batches(cfg, world)
     if "fsdp2" in strategies:
-        from pimm.distributed.strategy import check_strategy_fits
+        from pimm.distributed.strategy import check_strategy_fits  # deferred: imports torch; FSDP2 only
 
         check_strategy_fits({**cfg, "parallel": {**(cfg.get("parallel") or {}), "strategy": "fsdp2"}})
     return cfg

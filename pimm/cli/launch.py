@@ -54,16 +54,16 @@ def add_parser(sub) -> None:
                    help="start a new run from these weights only (weights.pth, model_best.pth, a checkpoint dir or "
                    "a `pimm export` dir)")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the torchrun command, world size and per-rank batch/workers; start nothing")
+                   help="print the torchrun command and, under it, the one `pimm launch` line that runs the same "
+                   "plan (every choice spelled out, overrides quoted for a POSIX shell), the world size and "
+                   "per-rank batch/workers; start nothing")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     # deferred: the launch machinery imports h5py and numpy (the data checks), which `pimm --help` does without
-    from pimm.launch import node
     from pimm.launch.plan import data_files
     from pimm.launch.preflight import prepare_launch
-    from pimm.launch.run_dir import open_run_dir, write_launch_record
 
     plan = prepare_launch(args)
     if args.dry_run:
@@ -74,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
               f"{plan.run_dir / 'config.py'} and launch.json, then runs the torchrun command above (the pimm "
               "command above does all of that).")
         return 0
+    # deferred: what only a launch that runs needs (a dry run prints and returns above)
+    from pimm.launch import node
+    from pimm.launch.run_dir import open_run_dir, write_launch_record
+
     step = args.slurm_step
     node_rank = step.node_id if step is not None else (args.node_rank or 0)
     tag = step.tag if step is not None else f"manual-{plan.rdzv_endpoint}".replace(":", "_")

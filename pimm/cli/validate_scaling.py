@@ -7,12 +7,17 @@ report are in pimm.validate. Exit 0 when every check passes, 1 when one fails.
 from __future__ import annotations
 
 import argparse
+import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
 
-from pimm.cli.bench import _count, parse_ranks
+from pimm.cli.bench import _count, parse_ranks, resolve
+from pimm.config import parse_overrides
 from pimm.errors import EXIT_FAILED, ConfigError, LaunchError
+from pimm.launch.sbatch import job_prologue, queue
+from pimm.launch.sites import load_site
 
 
 def add_parser(sub) -> None:
@@ -52,8 +57,7 @@ def prepare(config: str, ranks: list[int], steps: int, strategy: str, out: Path,
             timeout_s: float):
     """Resolve and check everything before any process starts -> pimm.validate.scaling.Spec;
     ConfigError/LaunchError (exit 2) for anything a run would refuse or the checklist cannot use."""
-    from pimm.cli.bench import resolve
-    from pimm.config import parse_overrides
+    # deferred: the data checks and the checklist import h5py and numpy, which `pimm --help` does without
     from pimm.launch.plan import check_data
     from pimm.validate.scaling import CONTROLLED, INTERRUPT_AT_STEP, MIN_STEPS, Spec, run_overrides
 
@@ -92,7 +96,7 @@ def prepare(config: str, ranks: list[int], steps: int, strategy: str, out: Path,
 
 
 def run(args: argparse.Namespace) -> int:
-    from pimm.validate.scaling import FAIL, validate_scaling
+    from pimm.validate.scaling import FAIL, validate_scaling  # deferred: as in prepare()
 
     ranks = parse_ranks(args.ranks)
     steps = _count("--steps", args.steps, 1)
@@ -114,12 +118,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace, spec, ranks: list[int], steps: int, timeout: float) -> int:
     """The checklist as one batch job on one node: the same command, run there, writing to --out."""
-    import shlex
-    import shutil
-
-    from pimm.launch.sbatch import job_prologue, queue
-    from pimm.launch.sites import load_site
-
     site = load_site(args.site, {"nnodes": 1, "nproc_per_node": max(ranks),
                                  **{k: getattr(args, f"site_{k}") for k in ("time", "account", "partition", "qos")}})
     if site.scheduler != "slurm":

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pimm import names
+from pimm.config.overrides import closest_keys
 from pimm.errors import ConfigError
 
 
@@ -225,8 +226,6 @@ def _check_known_keys(cfg: dict) -> None:
     """An unknown top-level, data or data.<split> key is a typo pimm would otherwise ignore in
     silence (`lr = 0.1` trains at the default lr): refuse it with the keys it most likely means.
     Top-level names starting with '_' are the config file's own helpers and are left alone."""
-    from pimm.config.overrides import closest_keys
-
     known = {key.split(".")[0] for key, _, _ in RULES} | set(_SPLIT_KEYS)
     scopes = [("", cfg, known)]
     if isinstance(cfg.get("data"), dict):

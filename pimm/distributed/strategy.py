@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pimm.distributed.env import DistEnv
 from pimm.errors import ConfigError
+from pimm.models import build_model
 from pimm.names import PARALLEL_STRATEGIES
 
 log = logging.getLogger("pimm")
@@ -111,6 +112,7 @@ class FSDP2(Strategy):
         self.mixed_precision = mixed_precision
 
     def wrap(self, model: nn.Module, env: DistEnv) -> nn.Module:
+        # deferred: torch.distributed.fsdp takes most of a second to import; FSDP2 runs only
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -151,12 +153,12 @@ class FSDP2(Strategy):
 
     def full_model_state(self, wrapped: nn.Module) -> dict:
         """Gathered on every rank (a collective), kept on rank 0 only (others get {})."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # deferred: FSDP2
 
         return get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_full_model_state(self, wrapped: nn.Module, state: dict, strict: bool = True) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # deferred: FSDP2
 
         set_model_state_dict(wrapped, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
@@ -178,8 +180,6 @@ def check_strategy_fits(cfg: dict) -> None:
     parallel = cfg.get("parallel") or {}
     if parallel.get("strategy") != "fsdp2":
         return
-    from pimm.models import build_model
-
     with torch.device("meta"):
         check_wrap_classes(build_model(cfg["model"]), parallel.get("wrap_classes") or ["Block"])
 

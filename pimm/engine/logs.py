@@ -90,7 +90,7 @@ class TensorBoardScalars:
 
     def open(self, first_step: int | None = None) -> None:
         """Start this attempt's event file; `first_step`: hide earlier events at steps >= it."""
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # deferred: an optional package, for tensorboard.enabled
 
         self.close()
         self._writer = SummaryWriter(str(self.log_dir), purge_step=first_step)
@@ -146,7 +146,7 @@ class WandbScalars:
         if self._run is not None or self._failed:
             return
         try:
-            import wandb
+            import wandb  # deferred: an optional package, for wandb.enabled
 
             attempt = len(list((self.run_dir / "wandb").glob("offline-run-*"))) + 1
             self._run = wandb.init(

@@ -9,6 +9,7 @@ import torch
 
 from pimm import names
 from pimm.errors import ConfigError
+from pimm.models import build_model
 from pimm.registry import Registry
 
 OPTIMIZERS = Registry("optimizer")
@@ -87,8 +88,6 @@ def parameter_groups(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
 def check_parameter_patterns(cfg: dict) -> None:
     """Before any process starts: freeze and param_groups patterns against the parameter names of
     the model `cfg` builds on the meta device (no memory, no init); ConfigError as in a rank."""
-    from pimm.models import build_model
-
     with torch.device("meta"):
         model = build_model(cfg["model"])
     freeze_parameters(model, cfg.get("freeze"))

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from pimm.checkpoint.layout import BEST, BEST_RECORD, CheckpointError, sha256_file
 from pimm.checkpoint.manager import CheckpointManager
 from pimm.checkpoint.state import capture, checkpoint_components, cursor_facts, restore
-from pimm.checkpoint.weights import load_pretrained, save_weight_file
+from pimm.checkpoint.weights import load_pretrained, save, save_weight_file
 from pimm.config import config_hash
 from pimm.data.collate import collate_events, split_events
 from pimm.data.dataset import build_dataset
@@ -38,7 +38,7 @@ from pimm.engine.logs import MetricsWriter, TensorBoardScalars, WandbScalars
 from pimm.engine.optim import build_optimizer, build_scheduler, freeze_parameters, group_facts, parameter_groups
 from pimm.engine.plot import plot_metrics
 from pimm.errors import EXIT_CHECKPOINTED, EXIT_FAILED, ConfigError, TrainingError
-from pimm.files import write_atomic
+from pimm.files import atomic_path, write_atomic
 from pimm.json_io import dumps, nonfinite_keys
 from pimm.models import build_model
 from pimm.provenance import Provenance
@@ -243,6 +243,13 @@ class Trainer:
     def _fit_loop(self) -> dict:
         epochs = int(self.cfg["epochs"])
         final: dict = {}
+        if self.state.step >= self.total_steps and self.val_set is not None:
+            # resumed from a stop on the last step (the ranks agreed on it before the run's end): what
+            # is left is the end of the run, its final validation and the checkpoint that records it
+            final = self.evaluate()
+            self._save_best(final)
+            self.checkpoints.last_saved_step = None  # the same step again, now with the final best value
+            self.save_checkpoint()
         while self.state.epoch < epochs and self.state.step < self.total_steps:
             self.sampler.set_cursor(self.state.epoch, self.state.samples_in_epoch)
             self._train_epoch()
@@ -600,10 +607,13 @@ class Trainer:
         self.state.best_metric = value
         state = self.strategy.full_model_state(self.module)
         if self.env.is_main:
-            best = save_weight_file(state, self.run_dir / "model" / BEST)
-            # the record names the file by its hash: a reader while training holds one matching pair
-            record = {"step": self.state.step, "metric": self.task.best_metric, "value": value,
-                      "sha256": sha256_file(best)}
+            # the record names the file by its hash, taken before the file is renamed into place: a
+            # reader during training (pimm.checkpoint.choose.hold_weights) holds one matching pair
+            (self.run_dir / "model").mkdir(exist_ok=True)  # a validation may come before the first checkpoint
+            with atomic_path(self.run_dir / "model" / BEST) as tmp:
+                save(state, tmp)
+                digest = sha256_file(tmp)
+            record = {"step": self.state.step, "metric": self.task.best_metric, "value": value, "sha256": digest}
             write_atomic(self.run_dir / "model" / BEST_RECORD, dumps(record) + "\n")
 
     def _write_summary(self, final: dict) -> None:

@@ -82,12 +82,11 @@ def _resumed_run(args: argparse.Namespace, scheduled: bool) -> tuple[str, Path, 
         raise LaunchError("--train.resume needs the run: --train.resume RUN_DIR, or --train.config with --run.name")
     run_dir = (run_directory(args.exp_root, args.config.removesuffix(".py"), args.run_name, False)
                if args.resume is True else Path(args.resume))
-    state = resume_run(run_dir, args.overrides)
+    state = resume_run(run_dir, args.overrides, f"pimm submit --site {args.site}" if scheduled else "pimm launch")
     saved, config_name = state.saved, state.saved.config_name
     args.resume_changes = state.changes
-    if state.completed is not None:  # before anything is written or locked
-        verb = f"pimm submit --site {args.site}" if scheduled else "pimm launch"
-        print(state.completed.message(state.cfg, config_name, verb), flush=True)
+    if state.completed is not None:  # before anything is written or locked: nothing to do
+        print(state.completed, flush=True)
         raise SystemExit(0)
     if (args.nnodes is None and int(saved.launch.get("nnodes", 1)) > 1 and not scheduled
             and args.rdzv_endpoint is None and SlurmStep.from_env() is None):

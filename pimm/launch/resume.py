@@ -53,18 +53,20 @@ class Resume:
     saved: SavedRun
     cfg: dict
     changes: dict[str, tuple]
-    completed: CompletedRun | None
+    completed: str | None  # when the run already trained all `cfg` asks for: what to tell, how to train longer
 
 
-def resume_run(run_dir: Path, overrides: list[str]) -> Resume:
+def resume_run(run_dir: Path, overrides: list[str], verb: str = "pimm launch") -> Resume:
     """The run at `run_dir` with `overrides` on its own config, or the reason it cannot continue:
     LaunchError (not a pimm run), ConfigError (a bad override, or a change that cannot continue it).
-    Reads the run's records and the train data's size, never a checkpoint's weights."""
+    Reads the run's records and the train data's size, never a checkpoint's weights. `verb` is the
+    command the completed message suggests (pimm launch, or pimm submit --site S)."""
     saved = load_saved_run(run_dir)
     cfg = apply_overrides(saved.cfg, parse_overrides(overrides))
     check_config(cfg)
     changes = check_resume_changes(saved, cfg)
-    return Resume(saved, cfg, changes, completed_run(run_dir, cfg))
+    done = completed_run(run_dir, cfg)
+    return Resume(saved, cfg, changes, None if done is None else done.message(cfg, saved.config_name, verb))
 
 
 def load_saved_run(run_dir: Path) -> SavedRun:

@@ -58,8 +58,11 @@ WEIGHTS_ATOL_MANY_RANKS = 1e-6
 # on CUDA the scatter-adds of the loss and the model use atomics, whose order varies from run to
 # run: a resumed run matches within the cross-rank tolerance, not bit for bit
 CUDA_RESUME_LOSS_RTOL, CUDA_RESUME_WEIGHTS_ATOL = LOSS_RTOL, 1e-4
-INTERRUPT_AT_STEP = 2
-MIN_STEPS = 4  # the signal goes out at step 2 and the ranks agree to stop a step or two later
+# the signal goes out once step 1 is logged and the ranks agree to stop a step or two later: at step 3,
+# or at the last step of a 4-step run when it arrives late (then the run stops there, exit 75 too); a
+# signal that comes after the ranks' last agreement leaves a completed run (exit 0), which 4.1 reports
+INTERRUPT_AT_STEP = 1
+MIN_STEPS = 4
 # keys every run sets itself -> the flag that sets them (None: not the user's to set)
 CONTROLLED = {"max_steps": "--steps", "log_every": None, "log_event_ids": None, "parallel.strategy": "--strategy",
               "parallel": "--strategy", "validate_only": None}
