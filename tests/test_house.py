@@ -313,7 +313,7 @@ def test_the_dry_run_prints_one_pimm_line_that_makes_the_same_plan(tmp_path, tin
     res = pimm_in_process(argv)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    line = lines[lines.index("the pimm command that runs this plan (to paste in this directory):") + 1].strip()
+    line = lines[lines.index("to run this plan, paste this line (in this directory):") + 1].strip()
     printed = shlex.split(line)  # as a POSIX shell reads it
     assert printed[:2] == ["pimm", "launch"] and "--dry-run" not in printed
     with pytest.MonkeyPatch.context() as mp:

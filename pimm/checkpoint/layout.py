@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pimm.errors import PimmError
+from pimm.files import write_atomic
 
 WEIGHTS = "weights.pth"
 TRAINER = "trainer.dcp"
@@ -66,11 +67,7 @@ def write_manifest(ckpt_dir: Path, step: int) -> None:
         fsync(path)
         files[str(path.relative_to(ckpt_dir))] = [path.stat().st_size, sha256_file(path)]
     fsync(ckpt_dir / TRAINER)
-    tmp = ckpt_dir / (COMPLETE + ".tmp")
-    tmp.write_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
-    fsync(tmp)
-    tmp.replace(ckpt_dir / COMPLETE)
-    fsync(ckpt_dir)
+    write_atomic(ckpt_dir / COMPLETE, json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
         for split, path in data_files(plan.cfg).items():
             print(f"data.{split}: {path} (ok, {plan.data[split]['num_events']} events)")
         print(f"dry run: nothing started, nothing written. `pimm launch` without --dry-run first writes "
-              f"{plan.run_dir / 'config.py'} and launch.json, then runs the torchrun command above (the pimm "
-              "command above does all of that).")
+              f"{plan.run_dir / 'config.py'} and launch.json, then runs the torchrun command above; the "
+              "line pasted does all of that.")
         return 0
     # deferred: what only a launch that runs needs (a dry run prints and returns above)
     from pimm.launch import node

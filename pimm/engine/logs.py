@@ -202,6 +202,7 @@ class MetricsWriter:
         the new one starts with a purge marker at step + 1)."""
         if self.path is not None and self.path.exists():
             keep = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+            # in place, not renamed over: the append handle opened at the start writes on into this file
             self.path.write_text("".join(ln + "\n" for ln in keep))
         for sink in self._sinks:
             sink.open(first_step=step + 1)

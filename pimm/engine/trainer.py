@@ -376,6 +376,7 @@ class Trainer:
             for path in sorted((self.run_dir / "logs").glob("event_ids_rank*.jsonl")):
                 if path.exists():
                     keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+                    # in place, not renamed over: this rank's event log is open for appending
                     path.write_text("".join(ln + "\n" for ln in keep))
         barrier()
 
@@ -627,4 +628,4 @@ class Trainer:
             "best_metric": self.task.best_metric,
             "best_value": self.state.best_metric if math.isfinite(self.state.best_metric) else None,
         }
-        (self.run_dir / "summary.json").write_text(dumps(summary, indent=2))  # NaN -> null (final_val.nonfinite)
+        write_atomic(self.run_dir / "summary.json", dumps(summary, indent=2))  # NaN -> null (final_val.nonfinite)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from pimm.checkpoint.layout import Checkpoint, candidates
 from pimm.errors import EXIT_CHECKPOINTED, EXIT_SECOND_SIGNAL, LaunchError
+from pimm.files import write_atomic
 from pimm.launch.plan import TEST_PHASE, LaunchPlan
 from pimm.launch.process import run_torchrun
 from pimm.launch.resume import attempts, continue_command
@@ -40,9 +40,7 @@ def announce(run_dir: Path, tag: str, **facts) -> None:
     """Node 0: the run directory is ready for this launch (atomic: written, then renamed)."""
     path = _announcement(run_dir, tag)
     path.parent.mkdir(exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"ready": True, **facts}))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({"ready": True, **facts}), fsync=False)
 
 
 def announce_refusal(run_dir: Path, tag: str, message: str) -> None:

@@ -90,7 +90,7 @@ class LaunchPlan:
         lines = [
             "torchrun command:",
             "  " + shlex.join(self.torchrun_argv()),
-            *(["the pimm command that runs this plan (to paste in this directory):",
+            *(["to run this plan, paste this line (in this directory):",
                "  " + shlex.join(self.launch_argv())] if dry_run else []),
             f"world size: {self.world_size} ({self.nnodes} node(s) x {self.nproc_per_node} process(es), "
             f"{self.device_type}/{self.backend})",

@@ -27,6 +27,7 @@ from pathlib import Path
 from pimm.checkpoint.layout import candidates
 from pimm.config import read_run_config
 from pimm.errors import EXIT_BAD_INPUT, EXIT_CHAIN_STOPPED, EXIT_CHECKPOINTED, PimmError
+from pimm.files import write_atomic
 from pimm.launch import node as agent
 from pimm.launch.plan import plan_from_run
 from pimm.launch.resume import completed_run
@@ -49,9 +50,7 @@ def load_chain(run_dir: Path) -> dict:
 def store_chain(run_dir: Path, chain: dict) -> None:
     path = run_dir / CHAIN_FILE
     path.parent.mkdir(exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(chain, indent=2))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(chain, indent=2))
 
 
 def record_submission(run_dir: Path, submission: str, jobs: list[int], **facts) -> None:

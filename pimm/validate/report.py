@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from pimm.engine.plot import pyplot, save_png
+from pimm.files import write_atomic
 from pimm.json_io import dumps
 from pimm.validate.runs import Run, train_losses
 
@@ -23,8 +24,8 @@ def write_report(out: Path, report: dict, runs: dict[str, Run], loss_rtol: float
             shutil.copyfile(run.run_dir / "provenance.json", copied / f"{run.run_dir.name}.json")
     train = {r.world_size: r for name, r in runs.items() if name.startswith("train-")}
     report["plot"] = PLOT if plot_losses(train, out / PLOT, loss_rtol) else None
-    (out / "report.json").write_text(dumps(report, indent=2) + "\n")  # a non-finite number: null
-    (out / "report.md").write_text(markdown(report))
+    write_atomic(out / "report.json", dumps(report, indent=2) + "\n")  # a non-finite number: null
+    write_atomic(out / "report.md", markdown(report))
 
 
 def markdown(report: dict) -> str:

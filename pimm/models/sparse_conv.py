@@ -1,0 +1,285 @@
+"""Submanifold sparse 3D convolution in plain PyTorch (CPU and CUDA, with autograd).
+
+A submanifold convolution computes an output at exactly the active voxels of its input: the output
+at voxel p is `bias + sum over kernel offsets d of W[d] @ x[p + d]`, where the sum runs over the
+offsets whose voxel p + d is active in the same event. This is what spconv 2.x's `SubMConv3d`
+computes, with its weight layout `(out, k, k, k, in)`: `weight[:, a, b, c, :]` acts on the
+neighbour at `(a - r, b - r, c - r)` from p (r = k // 2) along the three columns of the voxel
+coordinates, in the order they are given (Pointcept's PT-v3 gives spconv `(batch, x, y, z)`, so
+published kernels load as they are when pimm is given `grid_coord` as `(x, y, z)`).
+
+How it is computed:
+
+* `VoxelSites` holds the active voxels of a batch (integer coordinates and the event of each). Its
+  `neighbour_map(k)` finds, once per kernel size, the pairs (input row, output row) of every kernel
+  offset: each voxel is packed with its event into one int64 key, the keys are sorted once, and
+  the keys shifted by every offset are looked up in one `torch.searchsorted`. Every convolution
+  given the same `VoxelSites` reuses the map (spconv's `indice_key`, passed explicitly).
+* `SubMConv3d` then runs one gather, matmul and `index_add_` per kernel offset (the centre offset
+  is a plain matmul over all rows); the backward recomputes the gathers instead of keeping them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+MAX_KEY = 2**62  # packed keys stay below this, so that key + offset never overflows int64
+
+
+@dataclass(frozen=True, eq=False)
+class NeighbourMap:
+    """The pairs of a submanifold convolution at one set of sites, for one kernel size.
+
+    `in_rows[i]` and `out_rows[i]` (int64, `counts[i]` each) list, for kernel offset i (offsets in
+    the order of the flattened `(k, k, k)` weight dimensions), the input rows that are a neighbour at
+    that offset of the output rows. The centre offset (`centre`) pairs every row with itself and is
+    stored as empty tensors: the convolution handles it as one matmul over all rows.
+    """
+
+    kernel_size: int
+    num_sites: int
+    in_rows: tuple[torch.Tensor, ...]
+    out_rows: tuple[torch.Tensor, ...]
+    counts: tuple[int, ...]
+
+    @property
+    def centre(self) -> int:
+        return self.kernel_size**3 // 2
+
+    @property
+    def max_pairs(self) -> int:
+        """The most pairs of one offset other than the centre (the size of the convolution's buffers)."""
+        return max(self.counts)
+
+    def pair_counts(self) -> list[int]:
+        """Pairs per kernel offset (the centre counts every site)."""
+        return [self.num_sites if i == self.centre else count for i, count in enumerate(self.counts)]
+
+
+@dataclass(eq=False)
+class VoxelSites:
+    """The active voxels of a batch of events: `grid_coord` [N, 3] integer voxel coordinates and
+    `batch_index` [N] the event of each row (events need not be contiguous). Pass the same object
+    to every convolution at these sites: the neighbour map of each kernel size is built once and
+    kept on it.
+    """
+
+    grid_coord: torch.Tensor
+    batch_index: torch.Tensor
+    _maps: dict[int, NeighbourMap] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        coord, batch = self.grid_coord, self.batch_index
+        if coord.dim() != 2 or coord.shape[1] != 3:
+            raise ValueError(f"grid_coord must have shape [N, 3] (integer voxel coordinates), got {list(coord.shape)}")
+        if coord.is_floating_point() or coord.is_complex() or coord.dtype == torch.bool:
+            raise ValueError(f"grid_coord must hold integers, got {coord.dtype}; pass voxel indices, "
+                             "e.g. torch.floor(coord / grid_size).long()")
+        if batch.shape != (coord.shape[0],):
+            raise ValueError(f"batch_index must have shape [N] = [{coord.shape[0]}] (one event index per row of "
+                             f"grid_coord), got {list(batch.shape)}")
+        if batch.is_floating_point() or batch.is_complex() or batch.dtype == torch.bool:
+            raise ValueError(f"batch_index must hold integers, got {batch.dtype}")
+        if batch.device != coord.device:
+            raise ValueError(f"grid_coord is on {coord.device} and batch_index on {batch.device}; put both on one device")
+        if len(batch) and int(batch.min()) < 0:
+            raise ValueError(f"batch_index must be >= 0, got a minimum of {int(batch.min())}")
+
+    @classmethod
+    def from_offset(cls, grid_coord: torch.Tensor, offset: torch.Tensor) -> VoxelSites:
+        """Sites from Pointcept's `offset`: the cumulative point counts of the events, [B]."""
+        offset = torch.as_tensor(offset, device=grid_coord.device).long()
+        if offset.dim() != 1 or len(offset) == 0:
+            raise ValueError(f"offset must be a 1-D tensor of cumulative point counts, got shape {list(offset.shape)}")
+        counts = torch.diff(offset, prepend=offset.new_zeros(1))
+        if int(counts.min()) < 0 or int(offset[-1]) != len(grid_coord):
+            raise ValueError(f"offset must rise to the number of points ({len(grid_coord)}), got {offset.tolist()}")
+        batch = torch.repeat_interleave(torch.arange(len(offset), device=grid_coord.device), counts)
+        return cls(grid_coord, batch)
+
+    @property
+    def num_sites(self) -> int:
+        return self.grid_coord.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.grid_coord.device
+
+    def neighbour_map(self, kernel_size: int) -> NeighbourMap:
+        """The pairs of a `kernel_size`^3 submanifold convolution at these sites (built on first use)."""
+        if kernel_size not in self._maps:
+            self._maps[kernel_size] = build_neighbour_map(self.grid_coord, self.batch_index, kernel_size)
+        return self._maps[kernel_size]
+
+
+def _check_kernel_size(kernel_size: int) -> None:
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size must be an odd whole number (1, 3, 5, ...), got {kernel_size!r}; a "
+                         "submanifold convolution centres its kernel on each site")
+
+
+def build_neighbour_map(grid_coord: torch.Tensor, batch_index: torch.Tensor, kernel_size: int) -> NeighbourMap:
+    """The pairs of a `kernel_size`^3 submanifold convolution at the voxels `grid_coord` [N, 3] of the
+    events `batch_index` [N]. Raises ValueError if a voxel appears twice in one event."""
+    _check_kernel_size(kernel_size)
+    num, radius = grid_coord.shape[0], kernel_size // 2
+    num_offsets = kernel_size**3
+    centre = num_offsets // 2
+    device = grid_coord.device
+    if num == 0:
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return NeighbourMap(kernel_size, 0, (empty,) * num_offsets, (empty,) * num_offsets, (0,) * num_offsets)
+
+    coord = grid_coord.long()
+    # one int64 key per (event, x, y, z), mixed radix with every axis shifted to start at `radius`:
+    # a neighbour's shifted coordinate is then never negative and never carries into the slower
+    # axis, so key(p + d) == key(p) + d_x * stride_x + d_y * stride_y + d_z
+    low, high = coord.min(0).values, coord.max(0).values
+    spans = (high - low + 1 + 2 * radius).tolist()
+    num_events = int(batch_index.max()) + 1
+    if num_events * math.prod(spans) >= MAX_KEY:
+        raise ValueError(f"the voxel grid is too large to pack into int64 keys: {num_events} events x spans {spans} "
+                         f"(coordinates {low.tolist()} .. {high.tolist()}); use fewer events per batch or a coarser grid")
+    stride_x, stride_y = spans[1] * spans[2], spans[2]
+    keys = (batch_index.long() * math.prod(spans) + (coord[:, 0] - low[0] + radius) * stride_x
+            + (coord[:, 1] - low[1] + radius) * stride_y + (coord[:, 2] - low[2] + radius))
+    sorted_keys, order = torch.sort(keys)
+    duplicate = sorted_keys[1:] == sorted_keys[:-1]
+    if bool(duplicate.any()):
+        first = int(order[1:][duplicate][0])
+        raise ValueError(f"{int(duplicate.sum())} voxel(s) appear more than once in their event, e.g. row {first} at "
+                         f"{grid_coord[first].tolist()} in event {int(batch_index[first])}; merge the points of a "
+                         "voxel first (grid sampling) so that every voxel is one row")
+
+    # The pairs of offset -d are those of offset d swapped, so only the offsets before the centre are
+    # searched. They come in planes of fixed (d_x, d_y): the voxels of one plane's column around a
+    # site are consecutive in key order, so one searchsorted per plane finds the first and the next
+    # 2r keys hold the whole column. Work happens in key order (sorted queries search fast);
+    # `table[i, s]` is the key-order row of the neighbour at offset i of key-order site s, or -1.
+    width = 2 * radius + 1
+    padded = torch.cat([sorted_keys, sorted_keys.new_full((width,), MAX_KEY)])  # misses past the end
+    sites = torch.arange(num, device=device).repeat_interleave(width)
+    window = torch.arange(width, device=device)
+    table = torch.full((centre + 1, num), -1, dtype=torch.long, device=device)  # last row: where misses go
+    centre_plane = kernel_size**2 // 2
+    for plane in range(centre_plane + 1):
+        queries = sorted_keys + ((plane // kernel_size - radius) * stride_x + (plane % kernel_size - radius) * stride_y)
+        rows = torch.searchsorted(sorted_keys, queries - radius).unsqueeze(1) + window  # [N, 2r + 1]
+        d_z = padded[rows] - queries.unsqueeze(1)
+        hit = d_z < 0 if plane == centre_plane else d_z <= radius  # d_z >= -r by the search
+        offset = torch.where(hit, plane * kernel_size + radius + d_z, centre)
+        table.index_put_((offset.flatten(), sites), rows.flatten())
+    found = table[:centre] >= 0
+    offset_index, out_sorted = found.nonzero(as_tuple=True)  # grouped by offset
+    counts = found.sum(1).tolist()
+    in_half = order[table[offset_index, out_sorted]].split(counts)
+    out_half = order[out_sorted].split(counts)
+    empty = in_half[0].new_empty(0)
+    in_rows = in_half + (empty,) + out_half[::-1]  # offset K-1-i is offset i mirrored
+    out_rows = out_half + (empty,) + in_half[::-1]
+    return NeighbourMap(kernel_size, num, in_rows, out_rows, (*counts, 0, *counts[::-1]))
+
+
+class _SubmanifoldConv(torch.autograd.Function):
+    """features [N, C_in], weight [K, C_in, C_out], bias [C_out] or None -> [N, C_out]."""
+
+    @staticmethod
+    def forward(ctx, features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                neighbours: NeighbourMap) -> torch.Tensor:
+        centre = neighbours.centre
+        out = torch.mm(features, weight[centre]) if bias is None else torch.addmm(bias, features, weight[centre])
+        # one buffer each for the gathered rows and their products, reused by every offset
+        gathered = features.new_empty(neighbours.max_pairs, features.shape[1])
+        products = features.new_empty(neighbours.max_pairs, out.shape[1])
+        for i, (in_rows, out_rows, count) in enumerate(zip(neighbours.in_rows, neighbours.out_rows, neighbours.counts)):
+            if count:
+                rows = torch.index_select(features, 0, in_rows, out=gathered[:count])
+                out.index_add_(0, out_rows, torch.mm(rows, weight[i], out=products[:count]))
+        ctx.save_for_backward(features, weight)
+        ctx.neighbours = neighbours
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        features, weight = ctx.saved_tensors
+        neighbours: NeighbourMap = ctx.neighbours
+        need_features, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_out = grad_out.contiguous()
+        centre, most = neighbours.centre, neighbours.max_pairs
+        grad_features = torch.mm(grad_out, weight[centre].t()) if need_features else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        if need_weight:
+            torch.mm(features.t(), grad_out, out=grad_weight[centre])
+        grad_gathered = grad_out.new_empty(most, grad_out.shape[1])
+        in_buffer = features.new_empty(most, features.shape[1])  # gathered inputs, then their gradients
+        for i, (in_rows, out_rows, count) in enumerate(zip(neighbours.in_rows, neighbours.out_rows, neighbours.counts)):
+            if not count:
+                continue
+            grad_pairs = torch.index_select(grad_out, 0, out_rows, out=grad_gathered[:count])
+            if need_weight:
+                rows = torch.index_select(features, 0, in_rows, out=in_buffer[:count])
+                torch.mm(rows.t(), grad_pairs, out=grad_weight[i])
+            if need_features:
+                grad_features.index_add_(0, in_rows, torch.mm(grad_pairs, weight[i].t(), out=in_buffer[:count]))
+        grad_bias = grad_out.sum(0) if need_bias and ctx.has_bias else None
+        return grad_features, grad_weight, grad_bias, None
+
+
+def submanifold_conv3d(features: torch.Tensor, sites: VoxelSites, weight: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The submanifold convolution of `features` [N, C_in] at `sites` with `weight`
+    [C_out, k, k, k, C_in] (spconv 2.x's layout) and `bias` [C_out] -> [N, C_out]."""
+    if weight.dim() != 5 or weight.shape[1] != weight.shape[2] or weight.shape[1] != weight.shape[3]:
+        raise ValueError(f"weight must have shape [out, k, k, k, in] (spconv 2.x's layout), got {list(weight.shape)}")
+    out_channels, kernel_size, in_channels = weight.shape[0], weight.shape[1], weight.shape[4]
+    if features.dim() != 2 or features.shape[1] != in_channels:
+        raise ValueError(f"features must have shape [N, {in_channels}] (the weight's input channels), "
+                         f"got {list(features.shape)}")
+    if features.shape[0] != sites.num_sites:
+        raise ValueError(f"features has {features.shape[0]} rows but the sites have {sites.num_sites}; "
+                         "give one feature row per voxel, in the order of grid_coord")
+    if features.device != sites.device:
+        raise ValueError(f"features are on {features.device} and the sites on {sites.device}; put both on one device")
+    dtype = features.dtype
+    if torch.is_autocast_enabled(features.device.type):  # run at the autocast precision, as nn.Linear would
+        dtype = torch.get_autocast_dtype(features.device.type)
+    # [out, k, k, k, in] -> [K, in, out]: one contiguous matrix per kernel offset, offsets in spconv's order
+    weight_per_offset = weight.to(dtype).reshape(out_channels, -1, in_channels).permute(1, 2, 0).contiguous()
+    with torch.autocast(features.device.type, enabled=False):
+        return _SubmanifoldConv.apply(features.to(dtype), weight_per_offset,
+                                      None if bias is None else bias.to(dtype), sites.neighbour_map(kernel_size))
+
+
+class SubMConv3d(nn.Module):
+    """Submanifold sparse 3D convolution with spconv 2.x's parameters: `weight` [out, k, k, k, in]
+    and `bias` [out], so a state_dict of spconv's `SubMConv3d` loads as it is. Odd kernel sizes,
+    dilation 1. `forward(features [N, in], sites: VoxelSites) -> [N, out]`."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3, bias: bool = True) -> None:
+        super().__init__()
+        _check_kernel_size(kernel_size)
+        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, kernel_size
+        self.weight = nn.Parameter(torch.empty(out_channels, kernel_size, kernel_size, kernel_size, in_channels))
+        self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default over the kernel's whole fan-in (in * k^3)
+        bound = 1.0 / math.sqrt(self.in_channels * self.kernel_size**3)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, features: torch.Tensor, sites: VoxelSites) -> torch.Tensor:
+        return submanifold_conv3d(features, sites, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"bias={self.bias is not None}")
