@@ -24,7 +24,7 @@ from pimm.config.validate import check_config
 from pimm.data.event_file import validate_data
 from pimm.distributed.batch import plan_batches
 from pimm.distributed.strategy import check_strategy_fits
-from pimm.engine.eval_dir import HELD_WEIGHTS, PREDICTIONS_FILE, finished, read_metrics, write_spec
+from pimm.engine.eval_dir import HELD_WEIGHTS, METRICS_FILE, finished, read_metrics, write_spec
 from pimm.errors import EXIT_FAILED, PimmError
 from pimm.files import os_error_reason
 from pimm.launch.plan import resolve_nproc, visible_gpus
@@ -94,18 +94,11 @@ def run_test(job: TestJob) -> int:
         out.mkdir(parents=True, exist_ok=True)
         for stale in ("errors", "logs"):  # of an earlier evaluation into this directory that did not finish
             shutil.rmtree(out / stale, ignore_errors=True)
-    except OSError as exc:
-        raise PimmError(f"cannot write the evaluation to {out}: {os_error_reason(exc)}; give a writable --out DIR"
-                        ) from None
-    try:
         held = hold_checked(job.run_dir, job.checkpoint, out / HELD_WEIGHTS, job.cfg["model"])
     except (PimmError, OSError) as exc:
         if made:  # nothing of this evaluation is left behind
             shutil.rmtree(out, ignore_errors=True)
-        if isinstance(exc, OSError):
-            raise PimmError(f"cannot write the evaluation to {out}: {os_error_reason(exc)}; give a writable --out "
-                            "DIR") from None
-        raise
+        raise _cannot_write(out, exc) if isinstance(exc, OSError) else exc from None
     spec = {
         "run_dir": str(job.run_dir.resolve()), "split": job.split, "checkpoint": job.checkpoint, "step": held.step,
         "weights": str(held.source.resolve()), "weights_sha256": held.sha256, "held_weights": str(held.path.resolve()),
@@ -117,14 +110,13 @@ def run_test(job: TestJob) -> int:
             dump_config(job.cfg, out / "config.py")
             write_spec(out, spec)
         except OSError as exc:
-            raise PimmError(f"cannot write the evaluation to {out}: {os_error_reason(exc)}; give a writable --out "
-                            "DIR") from None
+            raise _cannot_write(out, exc) from None
         print(f"pimm test: {job.split} ({job.num_events} events) with {job.checkpoint} (step {held.step}, "
               f"{spec['weights']}) on {job.nproc} process(es) -> {out}", flush=True)
-        returncode = run_eval_dir(out, job.nproc, "pimm test")
+        returncode = run_eval_dir(out, job.nproc, "pimm test", out / METRICS_FILE)
     finally:
         held.path.unlink(missing_ok=True)  # the results record its step and sha256
-    if returncode != 0 or not finished(out):
+    if returncode != 0:
         return EXIT_FAILED
     m = read_metrics(out)
 
@@ -134,6 +126,10 @@ def run_test(job: TestJob) -> int:
     print(f"pimm test: mIoU {num(m['miou'])} mAcc {num(m['macc'])} allAcc {num(m['allacc'])} over {m['events']} "
           f"events ({m['points']} points); results in {out}")
     return 0
+
+
+def _cannot_write(out: Path, exc: OSError) -> PimmError:
+    return PimmError(f"cannot write the evaluation to {out}: {os_error_reason(exc)}; give a writable --out DIR")
 
 
 def hold_checked(run_dir: Path, which: str, into: Path, model_cfg: dict) -> HeldWeights:
@@ -147,18 +143,22 @@ def hold_checked(run_dir: Path, which: str, into: Path, model_cfg: dict) -> Held
     return held
 
 
-def run_eval_dir(eval_dir: Path, nproc: int, verb: str) -> int:
-    """torchrun of the evaluation ranks over a prepared directory; its exit status, with each rank's
-    error (errors/rank<R>.txt) printed after `verb: ` when it failed."""
+def run_eval_dir(eval_dir: Path, nproc: int, verb: str, result: Path, kept: bool = False) -> int:
+    """torchrun of the evaluation ranks over a prepared directory; its exit status, or 1 when `result`
+    (the file rank 0 writes last) is missing. A failure is said after `verb: `: each rank's error
+    (errors/rank<R>.txt), and where the logs are (kept: the whole directory is kept for a look)."""
     returncode, _ = run_torchrun(eval_torchrun_argv(eval_dir, nproc), None)
-    if returncode != 0 or not (finished(eval_dir) or (eval_dir / PREDICTIONS_FILE).exists()):
-        errors = sorted((eval_dir / "errors").glob("rank*.txt"))
-        for path in errors:
-            with contextlib.suppress(OSError):
-                print(f"{verb}: {path.stem}: {path.read_text().strip()}", file=sys.stderr)
-        if not errors:
-            print(f"{verb}: failed (torchrun exit status {returncode}); see {eval_dir / 'logs'}", file=sys.stderr)
-    return returncode
+    if returncode == 0 and result.is_file():
+        return 0
+    errors = sorted((eval_dir / "errors").glob("rank*.txt"))
+    for path in errors:
+        with contextlib.suppress(OSError):
+            print(f"{verb}: {path.stem}: {path.read_text().strip()}", file=sys.stderr)
+    if kept:
+        print(f"{verb}: failed (torchrun exit status {returncode}); logs and parts kept in {eval_dir}", file=sys.stderr)
+    elif not errors:
+        print(f"{verb}: failed (torchrun exit status {returncode}); see {eval_dir / 'logs'}", file=sys.stderr)
+    return returncode or EXIT_FAILED
 
 
 # -- the test after training ---------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,10 +171,7 @@ def run_predict(args: PredictRequest) -> int:
                         "writable directory") from None
     print(f"pimm predict: {spec['num_events']} events of {spec['data']['path']} with {spec['weights']} "
           f"(step {spec['step']}) on {spec['nproc_per_node']} process(es) -> {out}", flush=True)
-    returncode = run_eval_dir(scratch, spec["nproc_per_node"], "pimm predict")
-    if returncode != 0 or not out.is_file():
-        print(f"pimm predict: failed (torchrun exit status {returncode}); logs and parts kept in {scratch}",
-              file=sys.stderr)
+    if run_eval_dir(scratch, spec["nproc_per_node"], "pimm predict", out, kept=True) != 0:
         return EXIT_FAILED
     shutil.rmtree(scratch, ignore_errors=True)
     print(f"pimm predict: wrote {out} ({spec['num_events']} events)")

@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 MAX_KEY = 2**62  # packed keys stay below this, so that key + offset never overflows int64
+PLANE_BATCH = 2**16  # neighbour search: planes searched at once hold about this many candidates (cache-sized)
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,7 +87,8 @@ class VoxelSites:
         if batch.is_floating_point() or batch.is_complex() or batch.dtype == torch.bool:
             raise ValueError(f"batch_index must hold integers, got {batch.dtype}")
         if batch.device != coord.device:
-            raise ValueError(f"grid_coord is on {coord.device} and batch_index on {batch.device}; put both on one device")
+            raise ValueError(f"grid_coord is on {coord.device} and batch_index on {batch.device}; "
+                             "put both on one device")
         if len(batch) and int(batch.min()) < 0:
             raise ValueError(f"batch_index must be >= 0, got a minimum of {int(batch.min())}")
 
@@ -143,8 +145,9 @@ def build_neighbour_map(grid_coord: torch.Tensor, batch_index: torch.Tensor, ker
     spans = (high - low + 1 + 2 * radius).tolist()
     num_events = int(batch_index.max()) + 1
     if num_events * math.prod(spans) >= MAX_KEY:
-        raise ValueError(f"the voxel grid is too large to pack into int64 keys: {num_events} events x spans {spans} "
-                         f"(coordinates {low.tolist()} .. {high.tolist()}); use fewer events per batch or a coarser grid")
+        raise ValueError(f"the voxel grid is too large to pack into int64 keys: {num_events} events (the largest "
+                         f"batch_index + 1) x spans {spans} (coordinates {low.tolist()} .. {high.tolist()}); number "
+                         "the events 0, 1, ... and use fewer per batch, or a coarser grid")
     stride_x, stride_y = spans[1] * spans[2], spans[2]
     keys = (batch_index.long() * math.prod(spans) + (coord[:, 0] - low[0] + radius) * stride_x
             + (coord[:, 1] - low[1] + radius) * stride_y + (coord[:, 2] - low[2] + radius))
@@ -158,28 +161,35 @@ def build_neighbour_map(grid_coord: torch.Tensor, batch_index: torch.Tensor, ker
 
     # The pairs of offset -d are those of offset d swapped, so only the offsets before the centre are
     # searched. They come in planes of fixed (d_x, d_y): the voxels of one plane's column around a
-    # site are consecutive in key order, so one searchsorted per plane finds the first and the next
-    # 2r keys hold the whole column. Work happens in key order (sorted queries search fast);
-    # `table[i, s]` is the key-order row of the neighbour at offset i of key-order site s, or -1.
+    # site are consecutive in key order, so one searchsorted per plane and site finds the first and
+    # the next 2r keys hold the rest; the centre plane's earlier voxels are the r keys just before
+    # the site's own. Work happens in key order (sorted queries search fast); `table[i * N + s]` is
+    # the key-order row of the neighbour at offset i of key-order site s, or -1.
     width = 2 * radius + 1
-    padded = torch.cat([sorted_keys, sorted_keys.new_full((width,), MAX_KEY)])  # misses past the end
-    sites = torch.arange(num, device=device).repeat_interleave(width)
-    window = torch.arange(width, device=device)
-    table = torch.full((centre + 1, num), -1, dtype=torch.long, device=device)  # last row: where misses go
+    padded = torch.cat([sorted_keys.new_full((radius,), -MAX_KEY), sorted_keys,
+                        sorted_keys.new_full((width,), MAX_KEY)])  # misses before the start and past the end
+    site = torch.arange(num, device=device)
+    table = torch.full(((centre + 1) * num,), -1, dtype=torch.long, device=device)  # last N: where misses go
     centre_plane = kernel_size**2 // 2
-    for plane in range(centre_plane + 1):
-        queries = sorted_keys + ((plane // kernel_size - radius) * stride_x + (plane % kernel_size - radius) * stride_y)
-        rows = torch.searchsorted(sorted_keys, queries - radius).unsqueeze(1) + window  # [N, 2r + 1]
-        d_z = padded[rows] - queries.unsqueeze(1)
-        hit = d_z < 0 if plane == centre_plane else d_z <= radius  # d_z >= -r by the search
-        offset = torch.where(hit, plane * kernel_size + radius + d_z, centre)
-        table.index_put_((offset.flatten(), sites), rows.flatten())
-    found = table[:centre] >= 0
-    offset_index, out_sorted = found.nonzero(as_tuple=True)  # grouped by offset
-    counts = found.sum(1).tolist()
-    in_half = order[table[offset_index, out_sorted]].split(counts)
-    out_half = order[out_sorted].split(counts)
-    empty = in_half[0].new_empty(0)
+    rows = site.unsqueeze(1) + torch.arange(-radius, 0, device=device)  # the centre plane: [N, r]
+    d_z = padded[rows + radius] - sorted_keys.unsqueeze(1)
+    slot = torch.where(d_z >= -radius, (centre_plane * kernel_size + radius + d_z) * num, centre * num)
+    table.scatter_(0, (slot + site.unsqueeze(1)).flatten(), rows.flatten())
+    planes = torch.arange(centre_plane, device=device)
+    steps = (planes // kernel_size - radius) * stride_x + (planes % kernel_size - radius) * stride_y
+    per_batch = PLANE_BATCH // (num * width) + 1
+    for group, step in zip(planes.split(per_batch), steps.split(per_batch)):
+        queries = sorted_keys + step.unsqueeze(1)  # [P, N]
+        rows = torch.searchsorted(sorted_keys, queries - radius).unsqueeze(2) + torch.arange(width, device=device)
+        d_z = padded[rows + radius] - queries.unsqueeze(2)  # [P, N, 2r + 1], >= -r by the search
+        slot = torch.where(d_z <= radius, (group.view(-1, 1, 1) * kernel_size + radius + d_z) * num, centre * num)
+        table.scatter_(0, (slot + site.view(1, -1, 1)).flatten(), rows.flatten())
+    found = table[: centre * num] >= 0
+    flat = found.nonzero().squeeze(1)  # grouped by offset, key-order sites ascending
+    counts = found.view(centre, num).sum(1).tolist()
+    in_half = order[table[flat]].split(counts)
+    out_half = order[flat % num].split(counts)
+    empty = order.new_empty(0)
     in_rows = in_half + (empty,) + out_half[::-1]  # offset K-1-i is offset i mirrored
     out_rows = out_half + (empty,) + in_half[::-1]
     return NeighbourMap(kernel_size, num, in_rows, out_rows, (*counts, 0, *counts[::-1]))
@@ -250,8 +260,9 @@ def submanifold_conv3d(features: torch.Tensor, sites: VoxelSites, weight: torch.
     dtype = features.dtype
     if torch.is_autocast_enabled(features.device.type):  # run at the autocast precision, as nn.Linear would
         dtype = torch.get_autocast_dtype(features.device.type)
-    # [out, k, k, k, in] -> [K, in, out]: one contiguous matrix per kernel offset, offsets in spconv's order
-    weight_per_offset = weight.to(dtype).reshape(out_channels, -1, in_channels).permute(1, 2, 0).contiguous()
+    # [out, k, k, k, in] -> [K, in, out] as a view: weight_per_offset[i] is offset i's matrix, which
+    # BLAS reads transposed in place (no copy); the backward writes the weight's gradient the same way
+    weight_per_offset = weight.to(dtype).reshape(out_channels, -1, in_channels).permute(1, 2, 0)
     with torch.autocast(features.device.type, enabled=False):
         return _SubmanifoldConv.apply(features.to(dtype), weight_per_offset,
                                       None if bias is None else bias.to(dtype), sites.neighbour_map(kernel_size))
