@@ -208,8 +208,9 @@ def test_neighbour_map_holds_every_pair_once(kernel_size):
     expected = brute_force_pairs(coord, batch, kernel_size)
     centre = kernel_size**3 // 2
     for i in range(kernel_size**3):
-        got = list(zip(neighbours.in_rows[i].tolist(), neighbours.out_rows[i].tolist()))
-        assert len(got) == neighbours.counts[i] == len(set(got))
+        in_rows, out_rows = neighbours.in_rows[i], neighbours.out_rows[i]
+        got = list(zip(in_rows.tolist(), out_rows.tolist()))
+        assert len(got) == neighbours.counts[i] == len(set(out_rows.tolist())) == len(set(in_rows.tolist()))
         if i == centre:
             assert got == [] and neighbours.pair_counts()[i] == len(coord)  # handled as one matmul
         else:

@@ -13,8 +13,8 @@ How it is computed:
 * `VoxelSites` holds the active voxels of a batch (integer coordinates and the event of each). Its
   `neighbour_map(k)` finds, once per kernel size, the pairs (input row, output row) of every kernel
   offset: each voxel is packed with its event into one int64 key, the keys are sorted once, and
-  the keys shifted by every offset are looked up in one `torch.searchsorted`. Every convolution
-  given the same `VoxelSites` reuses the map (spconv's `indice_key`, passed explicitly).
+  the shifted keys are looked up with `torch.searchsorted` (no Python loop over points). Every
+  convolution given the same `VoxelSites` reuses the map (spconv's `indice_key`, passed explicitly).
 * `SubMConv3d` then runs one gather, matmul and `index_add_` per kernel offset (the centre offset
   is a plain matmul over all rows); the backward recomputes the gathers instead of keeping them.
 """
@@ -141,7 +141,7 @@ def build_neighbour_map(grid_coord: torch.Tensor, batch_index: torch.Tensor, ker
     # one int64 key per (event, x, y, z), mixed radix with every axis shifted to start at `radius`:
     # a neighbour's shifted coordinate is then never negative and never carries into the slower
     # axis, so key(p + d) == key(p) + d_x * stride_x + d_y * stride_y + d_z
-    low, high = coord.min(0).values, coord.max(0).values
+    low, high = torch.aminmax(coord, dim=0)
     spans = (high - low + 1 + 2 * radius).tolist()
     num_events = int(batch_index.max()) + 1
     if num_events * math.prod(spans) >= MAX_KEY:
@@ -149,8 +149,8 @@ def build_neighbour_map(grid_coord: torch.Tensor, batch_index: torch.Tensor, ker
                          f"batch_index + 1) x spans {spans} (coordinates {low.tolist()} .. {high.tolist()}); number "
                          "the events 0, 1, ... and use fewer per batch, or a coarser grid")
     stride_x, stride_y = spans[1] * spans[2], spans[2]
-    keys = (batch_index.long() * math.prod(spans) + (coord[:, 0] - low[0] + radius) * stride_x
-            + (coord[:, 1] - low[1] + radius) * stride_y + (coord[:, 2] - low[2] + radius))
+    radix = torch.tensor([math.prod(spans), stride_x, stride_y, 1], device=device)
+    keys = (torch.cat([batch_index.long().unsqueeze(1), coord - (low - radius)], 1) * radix).sum(1)
     sorted_keys, order = torch.sort(keys)
     duplicate = sorted_keys[1:] == sorted_keys[:-1]
     if bool(duplicate.any()):
@@ -175,15 +175,19 @@ def build_neighbour_map(grid_coord: torch.Tensor, batch_index: torch.Tensor, ker
     d_z = padded[rows + radius] - sorted_keys.unsqueeze(1)
     slot = torch.where(d_z >= -radius, (centre_plane * kernel_size + radius + d_z) * num, centre * num)
     table.scatter_(0, (slot + site.unsqueeze(1)).flatten(), rows.flatten())
+    # the other planes: slot = (plane * k + (d_z + r)) * N + site, computed in place on [P, N, 2r + 1]
     planes = torch.arange(centre_plane, device=device)
     steps = (planes // kernel_size - radius) * stride_x + (planes % kernel_size - radius) * stride_y
+    bases = (planes * kernel_size * num).view(-1, 1, 1) + site.view(1, -1, 1)
+    window, after = torch.arange(width, device=device), padded[radius:]  # `after` is indexed by row
     per_batch = PLANE_BATCH // (num * width) + 1
-    for group, step in zip(planes.split(per_batch), steps.split(per_batch)):
-        queries = sorted_keys + step.unsqueeze(1)  # [P, N]
-        rows = torch.searchsorted(sorted_keys, queries - radius).unsqueeze(2) + torch.arange(width, device=device)
-        d_z = padded[rows + radius] - queries.unsqueeze(2)  # [P, N, 2r + 1], >= -r by the search
-        slot = torch.where(d_z <= radius, (group.view(-1, 1, 1) * kernel_size + radius + d_z) * num, centre * num)
-        table.scatter_(0, (slot + site.view(1, -1, 1)).flatten(), rows.flatten())
+    for step, base in zip(steps.split(per_batch), bases.split(per_batch)):
+        lowest = sorted_keys + (step.unsqueeze(1) - radius)  # [P, N]: the key at d_z = -r
+        rows = torch.searchsorted(sorted_keys, lowest).unsqueeze(2) + window  # [P, N, 2r + 1]
+        d_z_plus_r = after[rows].sub_(lowest.unsqueeze(2))  # >= 0 by the search
+        miss = d_z_plus_r > 2 * radius
+        slot = d_z_plus_r.mul_(num).add_(base).masked_fill_(miss, centre * num)
+        table.scatter_(0, slot.view(-1), rows.view(-1))
     found = table[: centre * num] >= 0
     flat = found.nonzero().squeeze(1)  # grouped by offset, key-order sites ascending
     counts = found.view(centre, num).sum(1).tolist()
@@ -224,7 +228,7 @@ class _SubmanifoldConv(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         centre, most = neighbours.centre, neighbours.max_pairs
         grad_features = torch.mm(grad_out, weight[centre].t()) if need_features else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None  # the weight's strides: mm writes in place
         if need_weight:
             torch.mm(features.t(), grad_out, out=grad_weight[centre])
         grad_gathered = grad_out.new_empty(most, grad_out.shape[1])
