@@ -70,6 +70,7 @@ def wait_for_slurm_jobs(jobs: list[int], timeout: float = 300) -> list[dict]:
     raise AssertionError(f"Slurm jobs {jobs} did not end within {timeout} s: {[slurm_job_state(j) for j in jobs]}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """For pytest-xdist's `--dist loadgroup` (make test): each test file runs whole on one worker, so its
     module fixtures are made once; the tests marked `slurm` run on one worker, one after another, so

@@ -148,7 +148,7 @@ def dense_reference(features, coord, batch, weight, bias, events: int):
 @pytest.mark.parametrize("kernel_size", [3, 5])
 def test_gradients_match_a_dense_conv3d_masked_to_the_active_sites(kernel_size):
     gen = torch.Generator().manual_seed(kernel_size)
-    events, shape = 2, (6, 5, 7)
+    events, shape = 2, (9, 8, 9)
     active = torch.rand(events, *shape, generator=gen) < 0.35
     batch, x, y, z = active.nonzero(as_tuple=True)
     coord = torch.stack([x, y, z], 1) - 3  # negative coordinates: the keys must shift them

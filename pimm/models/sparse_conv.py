@@ -54,7 +54,7 @@ class NeighbourMap:
 
     @property
     def max_pairs(self) -> int:
-        """The most pairs of one offset other than the centre (the size of the convolution's buffers)."""
+        """The most pairs of one offset other than the centre (the rows of the convolution's buffers)."""
         return max(self.counts)
 
     def pair_counts(self) -> list[int]:
@@ -149,8 +149,8 @@ def build_neighbour_map(grid_coord: torch.Tensor, batch_index: torch.Tensor, ker
                          f"batch_index + 1) x spans {spans} (coordinates {low.tolist()} .. {high.tolist()}); number "
                          "the events 0, 1, ... and use fewer per batch, or a coarser grid")
     stride_x, stride_y = spans[1] * spans[2], spans[2]
-    radix = torch.tensor([math.prod(spans), stride_x, stride_y, 1], device=device)
-    keys = (torch.cat([batch_index.long().unsqueeze(1), coord - (low - radius)], 1) * radix).sum(1)
+    shifted = coord - (low - radius)
+    keys = batch_index.long() * math.prod(spans) + shifted[:, 0] * stride_x + shifted[:, 1] * stride_y + shifted[:, 2]
     sorted_keys, order = torch.sort(keys)
     duplicate = sorted_keys[1:] == sorted_keys[:-1]
     if bool(duplicate.any()):
@@ -172,7 +172,7 @@ def build_neighbour_map(grid_coord: torch.Tensor, batch_index: torch.Tensor, ker
     table = torch.full(((centre + 1) * num,), -1, dtype=torch.long, device=device)  # last N: where misses go
     centre_plane = kernel_size**2 // 2
     rows = site.unsqueeze(1) + torch.arange(-radius, 0, device=device)  # the centre plane: [N, r]
-    d_z = padded[rows + radius] - sorted_keys.unsqueeze(1)
+    d_z = padded.take(rows + radius) - sorted_keys.unsqueeze(1)
     slot = torch.where(d_z >= -radius, (centre_plane * kernel_size + radius + d_z) * num, centre * num)
     table.scatter_(0, (slot + site.unsqueeze(1)).flatten(), rows.flatten())
     # the other planes: slot = (plane * k + (d_z + r)) * N + site, computed in place on [P, N, 2r + 1]
@@ -184,15 +184,14 @@ def build_neighbour_map(grid_coord: torch.Tensor, batch_index: torch.Tensor, ker
     for step, base in zip(steps.split(per_batch), bases.split(per_batch)):
         lowest = sorted_keys + (step.unsqueeze(1) - radius)  # [P, N]: the key at d_z = -r
         rows = torch.searchsorted(sorted_keys, lowest).unsqueeze(2) + window  # [P, N, 2r + 1]
-        d_z_plus_r = after[rows].sub_(lowest.unsqueeze(2))  # >= 0 by the search
+        d_z_plus_r = after.take(rows).sub_(lowest.unsqueeze(2))  # >= 0 by the search
         miss = d_z_plus_r > 2 * radius
         slot = d_z_plus_r.mul_(num).add_(base).masked_fill_(miss, centre * num)
         table.scatter_(0, slot.view(-1), rows.view(-1))
-    found = table[: centre * num] >= 0
-    flat = found.nonzero().squeeze(1)  # grouped by offset, key-order sites ascending
-    counts = found.view(centre, num).sum(1).tolist()
-    in_half = order[table[flat]].split(counts)
-    out_half = order[flat % num].split(counts)
+    flat = (table[: centre * num] >= 0).nonzero().squeeze(1)  # ascending: grouped by offset, then site
+    counts = torch.searchsorted(flat, torch.arange(centre + 1, device=device) * num).diff().tolist()
+    in_half = order.index_select(0, table.index_select(0, flat)).split(counts)
+    out_half = order.index_select(0, flat % num).split(counts)
     empty = order.new_empty(0)
     in_rows = in_half + (empty,) + out_half[::-1]  # offset K-1-i is offset i mirrored
     out_rows = out_half + (empty,) + in_half[::-1]
