@@ -167,7 +167,7 @@ def test_every_file_and_directory_of_a_checkpoint_is_fsynced(tmp_path, monkeypat
     files = [p.relative_to(model_dir / LAST) for p in (model_dir / LAST).rglob("*") if p.is_file()]
     assert len(files) == 4  # weights.pth, .complete, trainer.dcp/.metadata, one .distcp
     for name in files:
-        assert staging / (str(name) + ".tmp" if str(name) == COMPLETE else name) in synced, name
+        assert staging / (f".{name}.{os.getpid()}.tmp" if str(name) == COMPLETE else name) in synced, name
     for directory in (staging, staging / TRAINER, model_dir):  # after the renames in them
         assert directory in synced, directory
 

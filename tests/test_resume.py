@@ -11,7 +11,19 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, assert_bitwise_equal, attempts, copy_exp, launch, losses, steps, weights
+from conftest import (
+    REPO,
+    TINY,
+    assert_bitwise_equal,
+    attempts,
+    copy_exp,
+    launch,
+    launch_args,
+    losses,
+    pimm_in_process,
+    steps,
+    weights,
+)
 
 
 def test_interrupted_and_resumed_three_times_in_one_epoch_is_bit_exact(tmp_path, tiny_data, reference):
@@ -217,12 +229,13 @@ def test_rank_killed_under_max_restarts_resumes_by_itself(tmp_path, tiny_data, r
 
 
 def test_weight_warm_start_and_its_errors(tmp_path, tiny_data, reference):
-    res, _ = launch(tmp_path, tiny_data, 1, extra=["--train.weight", str(tmp_path / "nope.pth")])
+    # refused before any process starts
+    res = pimm_in_process(launch_args(tmp_path, tiny_data, 1, extra=["--train.weight", str(tmp_path / "nope.pth")]))
     assert res.returncode == 2 and "No weight found" in res.stderr
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "weights.pth").write_bytes(b"")
-    res, _ = launch(tmp_path, tiny_data, 1, extra=["--train.weight", str(broken)])
+    res = pimm_in_process(launch_args(tmp_path, tiny_data, 1, extra=["--train.weight", str(broken)]))
     assert res.returncode == 2 and "Incomplete checkpoint directory" in res.stderr
     best = reference / "model/model_best.pth"
     res, run_dir = launch(tmp_path, tiny_data, 1, "max_steps=2", name="warm", extra=["--train.weight", str(best)])
@@ -231,7 +244,7 @@ def test_weight_warm_start_and_its_errors(tmp_path, tiny_data, reference):
 
 
 def test_resume_of_a_missing_run_is_a_clear_error(tmp_path, tiny_data):
-    res, _ = launch(tmp_path, tiny_data, 1, name="never-ran", resume=True)
+    res = pimm_in_process(launch_args(tmp_path, tiny_data, 1, name="never-ran", resume=True))
     assert res.returncode == 2 and "cannot resume" in res.stderr and "never-ran" in res.stderr
 
 
