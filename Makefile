@@ -58,8 +58,10 @@ $(DEMO_DATA)/val.h5: | venv
 demo: venv $(DEMO_DATA)/train.h5 $(DEMO_DATA)/val.h5
 	OMP_NUM_THREADS=1 $(PIMM) launch --train.config demo/semseg --resources.nproc-per-node 2
 
+# in TEST_WORKERS processes (pytest-xdist): each test file runs whole on one, the Slurm tests on one, one at a time
+TEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: venv
 	$(VENV)/bin/ruff check pimm tests benchmarks examples

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pimm.data.pilarnet_file import detect_revision, is_pilarnet
+from pimm.data.predictions import is_predictions, open_predictions
 from pimm.errors import DataError, PimmError
 
 PIP_DISPLAY = "pip install -e '.[display]'"  # plotly, for --html
@@ -146,10 +148,10 @@ def draw_png(view: EventView, out: str | Path) -> Path:
     """Draw `view` as a PNG at `out` (written whole or not at all): one column per entry of
     `view.columns()`, rows 3D, xy, xz, yz (a 2x2 grid when there is one column); a legend
     with the data set's class names. Returns the path."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib only for a PNG (not for --html)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: after the backend is chosen
     from matplotlib.lines import Line2D
 
     out = Path(out)
@@ -228,7 +230,7 @@ def html_scene(view: EventView) -> dict:
 def require_plotly() -> None:
     """DisplayError naming the pip command when plotly (the `display` extra) is not installed."""
     try:
-        import plotly.graph_objects  # noqa: F401
+        import plotly.graph_objects  # noqa: F401  # deferred: an optional package, checked only for --html
     except ImportError as exc:
         raise DisplayError(f"--html needs plotly, which is not installed; install it with `{PIP_DISPLAY}`") from exc
 
@@ -238,6 +240,7 @@ def write_html(view: EventView, out: str | Path) -> Path:
     self-contained (plotly.js inline: it opens without a network); clicking a legend entry hides
     that class in every scene. Returns the path."""
     require_plotly()
+    # deferred: plotly is an optional package (the display extra)
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -286,8 +289,6 @@ def load_event(path: str | Path, event_id: int, split: str = "train") -> EventVi
     (truth only): a pimm event file, or PILArNet-M shards (a shard or a directory; `split` picks
     <path>/*<split>/*.h5). For a data file the id is the dataset index with the reader's
     default selection (every event with a point). DataError saying what is wrong otherwise."""
-    from pimm.data.predictions import is_predictions, open_predictions
-
     path = Path(path)
     if is_predictions(path):
         with open_predictions(path) as preds:
@@ -311,8 +312,7 @@ def load_event(path: str | Path, event_id: int, split: str = "train") -> EventVi
 
 def _read_data_event(path: Path, event_id: int, split: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(coord, truth, class names) of one event of a data file, read as pimm's datasets read it."""
-    from pimm.data.dataset import LArTPCDataset, PILArNetDataset
-    from pimm.data.pilarnet_file import detect_revision, is_pilarnet
+    from pimm.data.dataset import LArTPCDataset, PILArNetDataset  # deferred: torch, only to draw a data file
 
     if is_pilarnet(path):
         dataset = PILArNetDataset(path, split=split, revision=detect_revision(path, split))

@@ -97,7 +97,8 @@ class Provenance:
         """Open a new attempt record with the environment facts plus `fields`."""
         if not self.enabled:
             return
-        import torch  # the ranks have it loaded; the launcher uses this module (set_aside_unreadable) without it
+        # deferred: the ranks have torch loaded; the launcher uses this module (set_aside_unreadable) without it
+        import torch
 
         doc = self._load()
         for attempt in doc["attempts"]:

@@ -20,6 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+try:  # pytest-xdist: make test runs the suite in 2 worker processes; it also runs without
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:
+    LoadFileScheduling = None
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -70,14 +75,24 @@ def wait_for_slurm_jobs(jobs: list[int], timeout: float = 300) -> list[dict]:
     raise AssertionError(f"Slurm jobs {jobs} did not end within {timeout} s: {[slurm_job_state(j) for j in jobs]}")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
-def pytest_collection_modifyitems(config, items):
-    """For pytest-xdist's `--dist loadgroup` (make test): each test file runs whole on one worker, so its
-    module fixtures are made once; the tests marked `slurm` run on one worker, one after another, so
-    that the local two-node cluster runs one test's jobs at a time."""
-    for item in items:
-        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+def _scope(nodeid: str) -> str:
+    """What runs together on one pytest-xdist worker: the tests that use the Slurm cluster (tests/test_slurm.py
+    and every test named *slurm*), one at a time, as the local two-node cluster runs one test's jobs at a
+    time; every other test with the rest of its file, whose module fixtures are then made once."""
+    path, _, name = nodeid.partition("::")
+    return "slurm" if path.endswith("test_slurm.py") or "slurm" in name else path
+
+
+if LoadFileScheduling is not None:
+    class _FileOrSlurmScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (make test: `-n 2 --dist loadfile`), with the Slurm tests as one more file (_scope)."""
+    return _FileOrSlurmScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 @pytest.fixture

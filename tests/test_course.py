@@ -259,7 +259,6 @@ def test_multinode_script_outside_slurm_says_so():
     assert res.returncode == 2 and "not inside a Slurm allocation" in res.stderr
 
 
-@pytest.mark.slurm
 def test_multinode_setup_and_run_on_a_2_node_slurm_job(tmp_path):
     require_slurm_cluster()
     log = tmp_path / "job.out"

@@ -28,7 +28,6 @@ from conftest import (
     weights,
 )
 
-pytestmark = pytest.mark.slurm  # one worker, one test at a time, under xdist (conftest)
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 # 48 events / global batch 4 = 12 steps per epoch; 4 global loader workers = 1 per rank (workers on)
 CHAIN_RUN = ("epochs=4", "num_worker=4", "log_event_ids=true")

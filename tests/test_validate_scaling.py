@@ -23,8 +23,7 @@ def _status(report: dict) -> dict[str, str]:
     return {c["id"]: c["status"] for c in report["checks"]}
 
 
-@pytest.mark.slurm  # where a cluster answers, the checklist runs as a Slurm job
-def test_the_checklist_passes_on_the_tiny_config_at_1_and_2_ranks(passing_checklist):
+def test_the_checklist_passes_at_1_and_2_ranks_directly_or_as_a_slurm_job(passing_checklist):
     """conftest's passing_checklist: run directly, or as the Slurm job that tests/test_slurm.py checks."""
     assert passing_checklist.exit_status == 0, passing_checklist.log
     out = passing_checklist.out

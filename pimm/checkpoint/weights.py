@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from pimm.checkpoint.layout import WEIGHTS, CheckpointError, read_manifest
 from pimm.files import atomic_path
@@ -98,8 +99,6 @@ def _unwrap(state: dict) -> dict:
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a .safetensors file (a format that holds tensors only: nothing to unpickle)."""
-    from safetensors.torch import load_file
-
     try:
         return _unwrap(load_file(path, device="cpu"))
     except Exception as exc:

@@ -22,7 +22,9 @@ import argparse
 import os
 from pathlib import Path
 
-from pimm.config import read_run_config
+import pimm
+from pimm.checkpoint.choose import choose_weights
+from pimm.config import config_hash, read_run_config
 from pimm.errors import PimmError
 from pimm.files import atomic_path, os_error_reason, write_atomic
 from pimm.json_io import dumps
@@ -56,9 +58,7 @@ def _local_paths(value, where: str) -> list[str]:
 
 def export_config(cfg: dict, checkpoint: str, step: int | None) -> dict:
     """The config.json of an export of a run with resolved config `cfg`: no data or other local paths."""
-    import pimm
-    from pimm.config import config_hash
-    from pimm.data.transforms import preprocessing
+    from pimm.data.transforms import preprocessing  # deferred: h5py and numpy, only for an export
 
     found = _local_paths(cfg["model"], "model")
     if found:
@@ -77,10 +77,10 @@ def export_config(cfg: dict, checkpoint: str, step: int | None) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from safetensors.torch import save_file  # torch and safetensors: only for an export, not for `pimm --help`
+    # deferred: torch and safetensors, only for an export, not for `pimm --help`
+    from safetensors.torch import save_file
 
-    from pimm.checkpoint.choose import choose_weights
-    from pimm.checkpoint.weights import (
+    from pimm.checkpoint.weights import (  # deferred: torch, only for an export
         EXPORTED_CONFIG,
         EXPORTED_WEIGHTS,
         differences,

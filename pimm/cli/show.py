@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # numpy, h5py and matplotlib behind it: kept out of `pimm --help`
+    # deferred: numpy, h5py and matplotlib behind it, kept out of `pimm --help`
     from pimm.display import default_output, draw_png, load_event, make_output_folder, require_plotly, write_html
 
     if args.html:

@@ -15,6 +15,9 @@ import uuid
 from pathlib import Path
 
 from pimm.errors import LaunchError
+from pimm.launch.run_dir import open_run_dir, write_launch_record
+from pimm.launch.sbatch import chain_commands, log_pattern, render_job_script, submit_chain
+from pimm.launch.sites import check_one_line, flag_for, known_sites, load_site
 
 SITE_FLAGS = {  # --resources.<flag> -> site field
     "nnodes": int, "nproc_per_node": int, "cpus_per_proc": int, "time": str, "mem": str, "account": str,
@@ -23,8 +26,6 @@ SITE_FLAGS = {  # --resources.<flag> -> site field
 
 
 def add_parser(sub) -> None:
-    from pimm.launch.sites import known_sites
-
     p = sub.add_parser(
         "submit",
         help="train a config under Slurm: render a batch script from a site profile and sbatch it",
@@ -66,9 +67,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pimm.launch.preflight import prepare_launch
-    from pimm.launch.sbatch import chain_commands, log_pattern, render_job_script
-    from pimm.launch.sites import check_one_line, flag_for, load_site
+    from pimm.launch.preflight import prepare_launch  # deferred: numpy and h5py (the data checks), not for --help
 
     if args.chain_jobs < 1:
         raise LaunchError(f"--chain.jobs must be >= 1, got {args.chain_jobs}")
@@ -110,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _refuse_if_queued(run_dir: Path) -> None:
-    from pimm.launch.slurm_job import queued_jobs
+    from pimm.launch.slurm_job import queued_jobs  # deferred: numpy and h5py behind it, not for --help
 
     if shutil.which("squeue") and (jobs := queued_jobs(run_dir)):
         ids = " ".join(map(str, jobs))
@@ -119,9 +118,7 @@ def _refuse_if_queued(run_dir: Path) -> None:
 
 
 def _write_and_queue(args, plan, site, submission: str, script: str, script_path: Path) -> int:
-    from pimm.launch.run_dir import open_run_dir, write_launch_record
-    from pimm.launch.sbatch import log_pattern, submit_chain
-    from pimm.launch.slurm_job import record_submission
+    from pimm.launch.slurm_job import record_submission  # deferred: numpy and h5py behind it, not for --help
 
     run_dir = plan.run_dir.absolute()
     lock = open_run_dir(plan)

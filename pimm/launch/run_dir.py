@@ -12,6 +12,8 @@ import shutil
 import time
 from pathlib import Path
 
+from pimm.checkpoint.layout import resumable
+from pimm.config import config_hash, dump_config, read_run_config
 from pimm.errors import LaunchError
 from pimm.files import os_error_reason, write_atomic
 from pimm.launch.run_lock import RunLock
@@ -26,9 +28,6 @@ def open_run_dir(plan) -> RunLock:
     resumed run must exist and have a checkpoint to resume. Either way the run lock is taken
     before anything is written, and returned. The resolved config is written as config.py; a
     resume with a different config keeps the old one beside it."""
-    from pimm.checkpoint.layout import resumable
-    from pimm.config import config_hash, dump_config, read_run_config
-
     run_dir = plan.run_dir
     if not plan.resume:
         made = [d for d in (*reversed(run_dir.parents), run_dir) if not d.exists()]  # outermost first
@@ -80,8 +79,6 @@ def open_run_dir(plan) -> RunLock:
 def write_launch_record(plan, resume_changes: dict | None = None, **extra) -> dict:
     """launch.json: what this launch was asked for; the trainer copies parts into provenance and
     `--train.resume` and the Slurm node agents read it back (pimm.launch.plan.plan_from_run)."""
-    from pimm.config import config_hash
-
     record = {
         "config": plan.config_name, "config_path": str(plan.config_path), "overrides": plan.overrides,
         "resumed": plan.resume, "resume_changes": resume_changes or {}, "weight": plan.weight,
