@@ -151,7 +151,8 @@ def draw_png(view: EventView, out: str | Path) -> Path:
     import matplotlib  # deferred: matplotlib only for a PNG (not for --html)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # deferred: after the backend is chosen
+    # deferred: pyplot only after the backend is chosen
+    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
     out = Path(out)
