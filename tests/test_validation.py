@@ -167,11 +167,11 @@ def test_weights_of_the_same_model_fit(weight_files):
     assert check_weights_fit(weight_files["fits"], model) == weight_files["fits"]
 
 
-def test_dry_run_says_the_command_is_for_inspection(tmp_path, tiny_data):
+def test_dry_run_says_what_the_torchrun_command_needs_and_gives_the_line_to_paste(tmp_path, tiny_data):
     res = launch(tmp_path, tiny_data)
     assert res.returncode == 0, res.stderr
     assert "data.train: " in res.stdout and "(ok, 48 events)" in res.stdout
-    assert "config.py and launch.json" in res.stdout and "not for pasting" in res.stdout
+    assert "config.py and launch.json" in res.stdout and "paste this line" in res.stdout
     assert not (tmp_path / "exp").exists()
 
 
