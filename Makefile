@@ -61,7 +61,7 @@ demo: venv $(DEMO_DATA)/train.h5 $(DEMO_DATA)/val.h5
 # in TEST_WORKERS processes (pytest-xdist): each test file runs whole on one, the Slurm tests on one, one at a time
 TEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 tests
 
 lint: venv
 	$(VENV)/bin/ruff check pimm tests benchmarks examples
