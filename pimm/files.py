@@ -29,7 +29,7 @@ def current_umask() -> int:
 
 
 @contextlib.contextmanager
-def atomic_path(path: Path, fsync: bool = True) -> Iterator[Path]:
+def atomic_path(path: Path, durable: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside `path` to write to; on success it becomes `path` in one rename,
     with mode 0666 & ~umask; on failure it is removed and `path` is untouched."""
     path = Path(path)
@@ -37,21 +37,21 @@ def atomic_path(path: Path, fsync: bool = True) -> Iterator[Path]:
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~current_umask())
-        if fsync:
-            _fsync(tmp)
+        if durable:
+            fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    if fsync:
+    if durable:
         with contextlib.suppress(OSError):  # some file systems cannot fsync a directory
-            _fsync(path.parent)
+            fsync(path.parent)
 
 
-def write_atomic(path: Path, data: str | bytes, fsync: bool = True) -> Path:
+def write_atomic(path: Path, data: str | bytes, durable: bool = True) -> Path:
     """`data` (text as UTF-8, or bytes) into `path` in one rename: see `atomic_path`."""
-    with atomic_path(path, fsync=fsync) as tmp:
+    with atomic_path(path, durable=durable) as tmp:
         if isinstance(data, bytes):
             tmp.write_bytes(data)
         else:
@@ -59,7 +59,8 @@ def write_atomic(path: Path, data: str | bytes, fsync: bool = True) -> Path:
     return Path(path)
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries (after creating or renaming in it), to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from pimm.errors import PimmError
-from pimm.files import write_atomic
+from pimm.files import fsync, write_atomic
 
 WEIGHTS = "weights.pth"
 TRAINER = "trainer.dcp"
@@ -45,15 +44,6 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def fsync(path: Path) -> None:
-    """Flush a file's data, or a directory's entries (after creating or renaming in it), to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _files(ckpt_dir: Path) -> list[Path]:

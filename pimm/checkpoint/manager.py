@@ -39,7 +39,6 @@ from pimm.checkpoint.layout import (
     Checkpoint,
     CheckpointError,
     candidates,
-    fsync,
     read_manifest,
     resumable,
     verify,
@@ -47,7 +46,7 @@ from pimm.checkpoint.layout import (
 )
 from pimm.checkpoint.weights import save
 from pimm.distributed.env import broadcast_from_rank0
-from pimm.files import os_error_reason, storage_error
+from pimm.files import fsync, os_error_reason, storage_error
 
 log = logging.getLogger("pimm")
 # single-process runs save without a process group on purpose

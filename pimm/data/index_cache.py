@@ -55,7 +55,7 @@ def store(data: Path, key: tuple, arrays: dict[str, np.ndarray], index: Any) -> 
     warning per directory."""
     try:
         # no fsync: a torn cache fails to load and is rebuilt
-        with atomic_path(index_path(data), fsync=False) as tmp, open(tmp, "wb") as fh:
+        with atomic_path(index_path(data), durable=False) as tmp, open(tmp, "wb") as fh:
             np.savez(fh, **arrays)
     except OSError as exc:
         _in_memory[key] = index

@@ -32,7 +32,7 @@ def write_error(folder: Path, rank: int, text: str) -> None:
     for target in targets:
         with contextlib.suppress(OSError):  # a full or read-only disk: the other copy, or the rank's stderr, has it
             target.mkdir(parents=True, exist_ok=True)
-            write_atomic(target / f"rank{rank}.txt", text, fsync=False)
+            write_atomic(target / f"rank{rank}.txt", text, durable=False)
 
 
 def failure_text(exc: BaseException, folder: Path, rank: int) -> str:

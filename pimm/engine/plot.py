@@ -45,7 +45,7 @@ def plot_metrics(metrics_path: Path, out_path: Path) -> Path | None:
 def save_png(fig, out_path: Path) -> Path:
     """Write a matplotlib figure as a PNG in one rename (never half-written) and close it."""
     fig.tight_layout()
-    with atomic_path(out_path, fsync=False) as tmp:
+    with atomic_path(out_path, durable=False) as tmp:
         fig.savefig(tmp, dpi=100, format="png")
     pyplot().close(fig)
     return out_path

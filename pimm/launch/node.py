@@ -40,7 +40,7 @@ def announce(run_dir: Path, tag: str, **facts) -> None:
     """Node 0: the run directory is ready for this launch (atomic: written, then renamed)."""
     path = _announcement(run_dir, tag)
     path.parent.mkdir(exist_ok=True)
-    write_atomic(path, json.dumps({"ready": True, **facts}), fsync=False)
+    write_atomic(path, json.dumps({"ready": True, **facts}), durable=False)
 
 
 def announce_refusal(run_dir: Path, tag: str, message: str) -> None:
