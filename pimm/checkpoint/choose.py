@@ -107,6 +107,12 @@ def _checkpoint(run_dir: Path, which: str) -> tuple[Path | None, Path | None, in
     step = _STEP.fullmatch(which)
     if which == LAST:
         chosen = [c for c in complete if c.path.name == LAST]
+        for pause in (0.05, 0.2, 0.5):  # a training replaces `last` by two renames: look again across the gap
+            if chosen or not complete:
+                break
+            time.sleep(pause)
+            complete, incomplete = candidates(model_dir)
+            chosen = [c for c in complete if c.path.name == LAST]
         broken = [p for p in incomplete if p.name == LAST]
     elif step:
         n = int(step.group(1))
