@@ -29,11 +29,11 @@ from conftest import (
 )
 
 from pimm.checkpoint import choose
-from pimm.checkpoint.choose import hold_weights, recorded_weights
+from pimm.checkpoint.choose import choose_weights, hold_weights, recorded_weights
 from pimm.checkpoint.layout import BEST, BEST_RECORD, LAST, CheckpointError, read_manifest, sha256_file, write_manifest
 from pimm.cli import build_parser
 from pimm.data.predictions import open_predictions
-from pimm.errors import EXIT_CHECKPOINTED, EXIT_SECOND_SIGNAL
+from pimm.errors import EXIT_CHECKPOINTED, EXIT_SECOND_SIGNAL, PimmError
 from pimm.launch.node import ending
 from pimm.launch.preflight import prepare_launch
 
@@ -190,6 +190,34 @@ def test_best_weights_are_held_with_the_step_their_record_names(tmp_path, monkey
     held = hold_weights(tmp_path / "run", "best", tmp_path / "held.pth")
     assert (held.step, _held_value(held.path)) == (168, 2.0) and len(calls) == 3
     assert recorded_weights(tmp_path / "run", "best")[1:] == (168, held.sha256)
+
+
+def test_a_reader_between_the_two_renames_that_replace_last_waits_for_the_new_last(tmp_path, monkeypatch):
+    """A training replaces `last` by two renames (last -> step_N, then staging -> last): a reader that
+    looks in between finds no `last` and looks again (a fresh-clone CI run once failed here); a run
+    that stopped between the two is told apart from one that is writing."""
+    run = tmp_path / "run"
+    model = run / "model"
+    _checkpoint(model, LAST, 1, 1.0)
+    os.replace(model / LAST, model / "step_00000001")  # the first rename has happened
+    staging = _checkpoint(model, ".tmp-step_00000002", 2, 2.0)
+    sleep, pauses = choose.time.sleep, []
+
+    def second_rename_meanwhile(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 2:
+            os.replace(staging, model / LAST)
+        sleep(seconds)
+
+    monkeypatch.setattr(choose.time, "sleep", second_rename_meanwhile)
+    held = hold_weights(run, LAST, tmp_path / "held.pth")
+    assert (held.step, _held_value(held.path)) == (2, 2.0) and len(pauses) == 2
+    # a training that died between the two renames: after the tries, the message says so
+    os.replace(model / LAST, model / "step_00000002")
+    monkeypatch.setattr(choose.time, "sleep", lambda seconds: None)
+    with pytest.raises(PimmError, match=r"no checkpoint 'last' .*between the two renames.*step_2, step_1"):
+        hold_weights(run, LAST, tmp_path / "held.pth")
+    assert choose_weights(run, "step_2")[1] == 2  # a finished run's named checkpoint is read without waiting
 
 
 def test_damaged_weights_of_a_checkpoint_that_stays_are_refused(tmp_path):

@@ -93,9 +93,15 @@ def _snapshots(model_dir: Path) -> dict[int, Path]:
             if p.stem.removeprefix("iter_").isdigit()}
 
 
-def _checkpoint(run_dir: Path, which: str) -> tuple[Path | None, Path | None, int | None]:
+class _Moved(Exception):
+    """The chosen checkpoint was renamed or deleted by a training before it was held."""
+
+
+def _checkpoint(run_dir: Path, which: str,
+                between_renames: bool = False) -> tuple[Path | None, Path | None, int | None]:
     """(complete checkpoint directory, or else a weights file, of `which`, its step); PimmError naming
-    what is available when there is none."""
+    what is available when there is none. between_renames (a reader of a run a training may write):
+    _Moved when `last` is missing but other complete checkpoints are there, so that the caller looks again."""
     model_dir = run_dir / "model"
     if which == "best":
         best = model_dir / BEST
@@ -107,13 +113,9 @@ def _checkpoint(run_dir: Path, which: str) -> tuple[Path | None, Path | None, in
     step = _STEP.fullmatch(which)
     if which == LAST:
         chosen = [c for c in complete if c.path.name == LAST]
-        for pause in (0.05, 0.2, 0.5):  # a training replaces `last` by two renames: look again across the gap
-            if chosen or not complete:
-                break
-            time.sleep(pause)
-            complete, incomplete = candidates(model_dir)
-            chosen = [c for c in complete if c.path.name == LAST]
         broken = [p for p in incomplete if p.name == LAST]
+        if not chosen and not broken and complete and between_renames:
+            raise _Moved  # a training replaces `last` by two renames (last -> step_N, staging -> last)
     elif step:
         n = int(step.group(1))
         chosen = [c for c in complete if c.step == n]
@@ -155,10 +157,6 @@ class HeldWeights:
     sha256: str
 
 
-class _Moved(Exception):
-    """The chosen checkpoint was renamed or deleted by a training before it was held."""
-
-
 def recorded_weights(run_dir: Path, which: str) -> tuple[Path, int | None, str | None]:
     """(weights file, its step, the sha256 its checkpoint records: None where none is recorded) of
     `--checkpoint which` as the run's files say now, reading no weights; PimmError naming what is
@@ -172,7 +170,7 @@ def recorded_weights(run_dir: Path, which: str) -> tuple[Path, int | None, str |
 
 def _recorded(run_dir: Path, which: str) -> tuple[Path, int | None, str | None]:
     """recorded_weights, once: _Moved when the checkpoint went away while it was read."""
-    directory, weights, step = _checkpoint(run_dir, which)
+    directory, weights, step = _checkpoint(run_dir, which, between_renames=True)
     if directory is None:
         record = _best_record(run_dir) if weights.name == BEST else {}
         return weights, step, record.get("sha256") if isinstance(record.get("sha256"), str) else None
@@ -243,6 +241,9 @@ def _file_key(path: Path) -> tuple[int, int, int]:
 
 
 def _changing(run_dir: Path, which: str) -> PimmError:
+    if which == LAST and not (run_dir / "model" / LAST).exists():
+        return PimmError(f"no checkpoint 'last' in {run_dir / 'model'} (a training stopped between the two renames "
+                         f"that replace it: its resume restores it); name another ({_available(run_dir)})")
     return PimmError(f"--checkpoint {which}: the run's checkpoints changed {_HOLD_TRIES} times while pimm took one "
                      f"(a training writes {run_dir / 'model'} right now); try again, or name an older checkpoint "
                      f"that stays ({_available(run_dir)})")
