@@ -23,11 +23,12 @@ batch at every step), and after `warmup` steps measures `steps` more:
 * step time: per step the slowest rank's wall clock, then the median over the measured steps.
 
 On CPU the resident size also counts memory that glibc's allocator keeps after torch frees it
-(FSDP2 allocates and frees every Block's gathered parameters in each forward and backward).
-That is what a pimm run holds, so it is measured as is; run with `MALLOC_MMAP_THRESHOLD_=131072`
-in the environment to make the resident size follow the live tensors instead (each large tensor
-then gets fresh pages, which costs step time). The ranks inherit the environment; `memory.json`
-records any MALLOC_* settings.
+(FSDP2 allocates and frees every Block's gathered parameters in each forward and backward). pimm's
+FSDP2 ranks on CPU set glibc's mmap threshold to 1 MiB (pimm.distributed.env.return_freed_memory_to_os),
+so that large freed tensors go back to the OS, as a pimm run does; `PIMM_HOST_ALLOCATOR=glibc` in
+the environment keeps glibc's defaults (the baseline), `MALLOC_MMAP_THRESHOLD_` sets a threshold of
+your own. The ranks inherit the environment; `memory.json` records each run's allocator and any
+MALLOC_* settings.
 
 At world size 1 pimm runs the plain model whatever `parallel.strategy` says, so N=1 is one run
 ("single"). The target (issue 8): FSDP2's parameter+gradient+optimizer bytes per rank at most
@@ -192,6 +193,7 @@ def worker(spec_path: Path) -> None:
 
     result = {
         "rank": env.rank, "world_size": env.world_size, "strategy": strategy.name, "device": str(env.device),
+        "host_allocator": strategy.host_allocator,
         "events_per_rank": plan.events_per_rank, "points_per_rank": plan.events_per_rank * spec["points_per_event"],
         "wrap_classes": wrap_classes, "step_seconds": times,
         **held_bytes(strategy.eval_module(module).named_parameters(), optimizer, unwrapped),
@@ -273,6 +275,7 @@ def summarize(world: int, label: str, ranks: list[dict]) -> dict:
     first = ranks[0]
     return {
         "world_size": world, "strategy": label, "device": first["device"], "peak_kind": first["peak_kind"],
+        "host_allocator": first.get("host_allocator"),
         "params": first["all_params"], "unwrapped_params": first["unwrapped_params"],
         "param_bytes": most("all_param_bytes"), "grad_bytes": most("all_grad_bytes"),
         "optim_bytes": most("all_optim_bytes"), "held_bytes": max(held),
@@ -411,6 +414,8 @@ def run(cfg: dict, config_name: str, overrides: list[str], ranks: list[int], str
     print()
     print(f"{title}. Largest rank per column; step = median over {steps} steps of the slowest rank. "
           f"ideal 1/N = DDP's held bytes / N. peak: {first['peak_kind']}"
+          + "".join(f"; host allocator of N={r['world_size']} {r['strategy']}: {r['host_allocator']}"
+                    for r in rows if r.get("host_allocator"))
           + (f"; allocator settings {malloc_env()}." if malloc_env() else "."))
     out.mkdir(parents=True, exist_ok=True)
     result = {

@@ -2,6 +2,9 @@
 the results come as JSON, markdown and PNG, and bad input is refused before any process starts."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from conftest import REPO, run_pimm
@@ -65,3 +68,32 @@ def test_bad_input_is_refused_before_any_run(tmp_path, capsys, args, message):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("pimm: error: ") and message in err, err
     assert not (tmp_path / "out").exists()
+
+
+_FREE_AND_MEASURE = """
+import torch
+from pimm.distributed.env import return_freed_memory_to_os
+def rss_mib():
+    return next(int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+said = return_freed_memory_to_os()
+warm = torch.ones(1 << 19); del warm  # a freed 2 MiB block: glibc's own threshold rises above 2 MiB
+blocks = [torch.ones(1 << 19) for _ in range(100)]  # 200 MiB in 2 MiB tensors, as gathered parameters
+keep = torch.ones(1 << 19)  # a block above them: the heap cannot be trimmed from its top
+before = rss_mib()
+del blocks
+print(said, "|", before - rss_mib())
+"""
+
+
+@pytest.mark.parametrize("setting, returned", [(None, True), ("glibc", False)])
+def test_ranks_on_cpu_give_freed_tensors_back_to_the_os(setting, returned):
+    """FSDP2's CPU ranks set glibc's mmap threshold (what keeps its resident peak below DDP's);
+    PIMM_HOST_ALLOCATOR=glibc keeps glibc's defaults, which keep 200 freed MiB resident."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "PIMM_HOST_ALLOCATOR"))}
+    env.update(OMP_NUM_THREADS="1", **({"PIMM_HOST_ALLOCATOR": setting} if setting else {}))
+    res = subprocess.run([sys.executable, "-c", _FREE_AND_MEASURE], env=env, capture_output=True, text=True,
+                         check=False, timeout=120, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    said, released = res.stdout.strip().split(" | ")
+    assert ("mmap threshold 1048576" in said) is returned
+    assert (int(released) > 150) is returned, res.stdout

@@ -38,6 +38,7 @@ def test_fsdp2_matches_ddp_step_for_step(tmp_path, tiny_data, reference):
     assert_close_runs(run_dir, reference)
     (attempt,) = attempts(run_dir)
     assert attempt["strategy"] == "fsdp2"
+    assert attempt["host_allocator"].startswith("glibc, mmap threshold 1048576 bytes (set by pimm for FSDP2")
     log = (run_dir / "logs/rank0.log").read_text()
     assert "fsdp2: 4 Block module(s) sharded, then the root, over 2 ranks" in log or "fsdp2:" in log
     # weights.pth is the full, unsharded state dict that the bare model loads

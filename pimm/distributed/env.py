@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
 import os
 from dataclasses import dataclass
@@ -57,6 +59,35 @@ def init_distributed(timeout_s: float = 600.0) -> DistEnv:
             world_size=world_size,
         )
     return DistEnv(rank, local_rank, world_size, local_world_size, node_rank, device)
+
+
+MMAP_THRESHOLD_BYTES = 1024 * 1024
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_freed_memory_to_os() -> str | None:
+    """Make glibc map every block of MMAP_THRESHOLD_BYTES or more on its own, so that freeing it gives
+    it back to the OS. glibc's default threshold grows with the largest block freed (up to 32 MiB on
+    64-bit), after which large tensors are carved from a heap that it keeps: FSDP2's all-gathered
+    parameters, freed after each module, then stay resident, and its peak RSS exceeded DDP's although
+    it holds half the bytes. The price is fresh pages for each large tensor (step time; FSDP2 calls
+    this on CPU, where its point is memory; docs/performance.md). MALLOC_MMAP_THRESHOLD_ in the
+    environment is the user's own choice and is left as it is; PIMM_HOST_ALLOCATOR=glibc keeps glibc's
+    defaults (the baseline of `pimm bench memory`). Returns what was done, for provenance; None where
+    there is no glibc (macOS)."""
+    if os.environ.get("PIMM_HOST_ALLOCATOR") == "glibc":
+        return "glibc defaults (PIMM_HOST_ALLOCATOR=glibc)"
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return f"glibc, MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']} (from the environment)"
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None or mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
+        return None
+    return f"glibc, mmap threshold {MMAP_THRESHOLD_BYTES} bytes (set by pimm for FSDP2: freed tensors go to the OS)"
 
 
 def cuda_device_index(local_rank: int, visible: int) -> int:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from pimm.distributed.env import DistEnv
+from pimm.distributed.env import DistEnv, return_freed_memory_to_os
 from pimm.errors import ConfigError
 from pimm.models import build_model
 from pimm.names import PARALLEL_STRATEGIES
@@ -29,6 +29,7 @@ class Strategy:
 
     name = "base"
     lockstep_eval = False  # True: the evaluation forward is a collective (pad ranks that run out)
+    host_allocator: str | None = None  # what wrap() set for the host allocator (provenance); None: defaults
 
     def wrap(self, model: nn.Module, env: DistEnv) -> nn.Module:
         raise NotImplementedError
@@ -116,6 +117,8 @@ class FSDP2(Strategy):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        if env.device.type == "cpu":  # before the gathers allocate: freed gathered parameters leave the RSS
+            self.host_allocator = return_freed_memory_to_os()
         model = model.to(env.device)
         check_wrap_classes(model, self.wrap_classes)
         mesh = init_device_mesh(env.device.type, (env.world_size,))

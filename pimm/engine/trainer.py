@@ -388,6 +388,7 @@ class Trainer:
         }
         return {
             "device_type": self.env.device.type,
+            "host_allocator": self.strategy.host_allocator,
             "world_size": self.env.world_size,
             "nodes": self.env.world_size // self.env.local_world_size,
             "processes_per_node": self.env.local_world_size,
