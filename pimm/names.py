@@ -21,6 +21,7 @@ PILARNET_LABELS = ("motif", "pid")  # PILArNetDataset label=...
 PARALLEL_STRATEGIES = ("ddp", "fsdp2")  # used when the world size is > 1
 NOT_IMPLEMENTED_STRATEGIES = ("tp", "tensor", "tensor_parallel", "pp", "pipeline", "pipeline_parallel", "fsdp",
                               "deepspeed", "zero")
+SPARSE_CONV_BACKENDS = ("auto", "torch", "spconv")  # backends.sparse_conv; pimm.models.sparse_conv
 AMP_DTYPES = ("bfloat16", "float32")  # float16 needs a GradScaler, which pimm does not use
 # data.<split>.transforms=[dict(type=..., ...)]: name -> its arguments and their defaults (pimm.data.transforms;
 # the launcher's check of the values is pimm.config.validate.check_transforms)

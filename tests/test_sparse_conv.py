@@ -15,7 +15,14 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO
 
-from pimm.models.sparse_conv import SubMConv3d, VoxelSites, build_neighbour_map, submanifold_conv3d
+from pimm.models.sparse_conv import (
+    SubMConv3d,
+    VoxelSites,
+    apply_backends,
+    build_neighbour_map,
+    select_sparse_conv_backend,
+    submanifold_conv3d,
+)
 
 
 def import_spconv():
@@ -326,3 +333,39 @@ def test_benchmark_quick_run_reports_both_ratios(tmp_path):
     (row,) = json.loads(out.read_text())["results"]
     assert row["max_abs_difference"] < 1e-4
     assert row["ratio_new"] > 0 and row["ratio_reused"] > 0 and row["sites"] == 600
+
+
+# ----------------------------------------------------------------------------- the backend switch
+
+
+def test_the_spconv_backend_runs_spconv_on_the_same_parameters_and_shares_its_pairs():
+    """backends.sparse_conv='spconv': the module's own weight and bias through spconv (on CPU in
+    evaluation, single-threaded), the pairs built once per VoxelSites; outputs as the torch backend's."""
+    import_spconv()
+    torch.manual_seed(3)
+    coord, batch = random_sites(events=3, per_event=500, extent=12, seed=5)
+    model = torch.nn.Sequential(SubMConv3d(6, 8, 3), SubMConv3d(8, 8, 3)).eval()
+    features = torch.randn(len(coord), 6)
+
+    def run(backend: str) -> torch.Tensor:
+        assert select_sparse_conv_backend(model, backend, torch.device("cpu")) == backend
+        sites = VoxelSites(coord, batch)
+        with one_thread(), torch.no_grad():
+            out = model[1](model[0](features, sites), sites)
+        return out, sites
+
+    expected, _ = run("torch")
+    got, sites = run("spconv")
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert list(sites._spconv_tensor.indice_dict) == ["pimm_subm3"]  # one set of pairs for both convolutions
+    assert "_spconv_module" not in dict(model.named_modules()) and len(model.state_dict()) == 4
+    model.train()  # spconv's CPU backward is wrong: training on CPU with it is refused, with what to do
+    with pytest.raises(RuntimeError, match=r"trains on CUDA only .*backends.sparse_conv='torch'"):
+        model[0](features, VoxelSites(coord, batch))
+
+
+def test_auto_picks_torch_on_cpu_and_a_model_without_sparse_convolutions_has_no_backend():
+    model = torch.nn.Sequential(SubMConv3d(2, 2, 3))
+    assert apply_backends(model, {}, torch.device("cpu")) == {"sparse_conv": "torch"}
+    assert model[0].backend == "torch"
+    assert apply_backends(torch.nn.Linear(2, 2), {"backends": {"sparse_conv": "spconv"}}, torch.device("cpu")) == {}

@@ -144,6 +144,8 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
                                              and all(isinstance(x, str) for x in v))),
     ("parallel.reshard_after_forward", OPTIONAL, BOOL),
     ("parallel.mixed_precision", OPTIONAL, BOOL),
+    ("backends", OPTIONAL, optional(DICT, "dict(sparse_conv='auto')")),
+    ("backends.sparse_conv", OPTIONAL, one_of(names.SPARSE_CONV_BACKENDS)),
     ("find_unused_parameters", OPTIONAL, BOOL),
     ("sync_bn", OPTIONAL, BOOL),
     ("data", REQUIRED, DICT),

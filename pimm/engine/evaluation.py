@@ -52,6 +52,7 @@ from pimm.engine.plot import plot_confusion
 from pimm.files import write_atomic
 from pimm.json_io import dumps
 from pimm.models import build_model
+from pimm.models.sparse_conv import apply_backends
 from pimm.signals import die_with_parent, loader_workers_forked
 from pimm.tasks import build_task
 
@@ -226,6 +227,7 @@ def _evaluate(eval_dir: Path, spec: dict, env: DistEnv) -> None:
     sampler, loader = _loader(dataset, plan.test_events_per_rank, env, plan.workers_per_rank)
     torch.manual_seed(int(cfg["seed"]))
     model = build_model(cfg["model"])
+    apply_backends(model, cfg, env.device)
     task = build_task(cfg)
     strategy = build_strategy(cfg, env)
     module = strategy.wrap(model, env)
@@ -272,6 +274,7 @@ def _predict(eval_dir: Path, spec: dict, env: DistEnv) -> None:
     workers = 2 if env.device.type == "cuda" else 0  # CPU ranks share the cores with the model
     _, loader = _loader(dataset, int(spec["batch_size"]), env, workers)
     model = build_model(spec["model"])
+    apply_backends(model, spec, env.device)
     model.load_state_dict(load_weight_file(spec["held_weights"]))
     model.to(env.device).eval()
     log.info("predicting %d events (%d per rank and batch) with %s on %d rank(s)", len(dataset), spec["batch_size"],

@@ -41,6 +41,7 @@ from pimm.errors import EXIT_CHECKPOINTED, EXIT_FAILED, ConfigError, TrainingErr
 from pimm.files import atomic_path, write_atomic
 from pimm.json_io import dumps, nonfinite_keys
 from pimm.models import build_model
+from pimm.models.sparse_conv import apply_backends
 from pimm.provenance import Provenance
 from pimm.signals import StopRequest, ignore_further_stop_signals, ignore_stop_signals, loader_workers_forked
 from pimm.tasks import build_task
@@ -87,6 +88,9 @@ class Trainer:
         # identical initial weights on every rank and at every world size
         torch.manual_seed(self.seed)
         self.model = build_model(cfg["model"])
+        self.backends = apply_backends(self.model, cfg, env.device)
+        if self.backends and env.is_main:
+            log.info("backends: %s", ", ".join(f"{k} {v}" for k, v in self.backends.items()))
         # frozen before the wrap: DDP and FSDP2 then leave them out of gradient reduction
         self.frozen = freeze_parameters(self.model, cfg.get("freeze"))
         self.task = build_task(cfg)
@@ -389,6 +393,7 @@ class Trainer:
         return {
             "device_type": self.env.device.type,
             "host_allocator": self.strategy.host_allocator,
+            "backends": self.backends,
             "world_size": self.env.world_size,
             "nodes": self.env.world_size // self.env.local_world_size,
             "processes_per_node": self.env.local_world_size,

@@ -15,12 +15,13 @@ The cheap checks come first: a typo or an impossible split is refused before any
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 
 from pimm.config import apply_overrides, load_config, parse_overrides, resolve_config_path
 from pimm.config.paths import config_roots
 from pimm.config.validate import check_config
-from pimm.errors import LaunchError
+from pimm.errors import ConfigError, LaunchError
 from pimm.launch.plan import LaunchPlan, check_data, make_plan, run_directory
 from pimm.launch.resume import resume_run
 from pimm.launch.slurm import SlurmStep
@@ -129,6 +130,9 @@ def _rendezvous(args: argparse.Namespace, scheduled: bool) -> str | None:
 def _check_model_fit(cfg: dict, weight: str | None) -> None:
     """What needs the model (built on the meta device, so torch is imported for these configs only):
     FSDP2's wrap classes, the warm-start weights (said on one line), the freeze and param_groups patterns."""
+    if (cfg.get("backends") or {}).get("sparse_conv") == "spconv" and importlib.util.find_spec("spconv") is None:
+        raise ConfigError("backends.sparse_conv='spconv' but spconv is not installed here: pip install spconv-cu126 "
+                          "(the build for your CUDA), or use 'torch' (pure PyTorch) or 'auto'")
     if (cfg.get("parallel") or {}).get("strategy") == "fsdp2":
         from pimm.distributed.strategy import check_strategy_fits  # deferred: imports torch; FSDP2 runs only
 

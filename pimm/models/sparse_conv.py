@@ -17,10 +17,16 @@ How it is computed:
   convolution given the same `VoxelSites` reuses the map (spconv's `indice_key`, passed explicitly).
 * `SubMConv3d` then runs one gather, matmul and `index_add_` per kernel offset (the centre offset
   is a plain matmul over all rows); the backward recomputes the gathers instead of keeping them.
+
+Backends (`backends.sparse_conv` in a config, applied by `select_sparse_conv_backend`): "torch"
+(the above, everywhere), "spconv" (spconv 2.x's `SubMConv3d` on the same parameters, its indice
+pairs cached on the `VoxelSites` like the neighbour maps; its CPU backward is wrong, so on CPU it
+runs in evaluation only), "auto" (spconv on CUDA when it can be imported, else torch).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 
@@ -73,6 +79,7 @@ class VoxelSites:
     grid_coord: torch.Tensor
     batch_index: torch.Tensor
     _maps: dict[int, NeighbourMap] = field(default_factory=dict, init=False, repr=False)
+    _spconv_tensor: object = field(default=None, init=False, repr=False)  # the spconv backend's, with its pairs
 
     def __post_init__(self) -> None:
         coord, batch = self.grid_coord, self.batch_index
@@ -111,6 +118,23 @@ class VoxelSites:
     @property
     def device(self) -> torch.device:
         return self.grid_coord.device
+
+    def spconv_tensor(self, features: torch.Tensor):
+        """A spconv SparseConvTensor of `features` at these sites, with the pairs that earlier
+        convolutions kept (keep_spconv_pairs): spconv builds those of each kernel size once."""
+        import spconv.pytorch as spconv  # deferred: spconv is optional (backends.sparse_conv="spconv")
+
+        if self._spconv_tensor is None:
+            indices = torch.cat([self.batch_index[:, None], self.grid_coord], dim=1).int()
+            shape = (self.grid_coord.amax(0) + 1).tolist() if self.num_sites else [1, 1, 1]
+            batches = int(self.batch_index.max()) + 1 if self.num_sites else 1
+            self._spconv_tensor = spconv.SparseConvTensor(features, indices, shape, batches)
+        return self._spconv_tensor.replace_feature(features)
+
+    def keep_spconv_pairs(self, result) -> None:
+        """Keep the pairs spconv built for a convolution at these sites (it returns them on its result,
+        not on its input), so that the next convolution of that kernel size finds them."""
+        self._spconv_tensor.indice_dict.update(result.indice_dict)
 
     def neighbour_map(self, kernel_size: int) -> NeighbourMap:
         """The pairs of a `kernel_size`^3 submanifold convolution at these sites (built on first use)."""
@@ -276,10 +300,13 @@ class SubMConv3d(nn.Module):
     and `bias` [out], so a state_dict of spconv's `SubMConv3d` loads as it is. Odd kernel sizes,
     dilation 1. `forward(features [N, in], sites: VoxelSites) -> [N, out]`."""
 
+    backend = "torch"  # "torch" or "spconv": select_sparse_conv_backend sets it on a model's convolutions
+
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3, bias: bool = True) -> None:
         super().__init__()
         _check_kernel_size(kernel_size)
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, kernel_size
+        self._spconv_module = None  # spconv's SubMConv3d on this module's weight (made on first use)
         self.weight = nn.Parameter(torch.empty(out_channels, kernel_size, kernel_size, kernel_size, in_channels))
         self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
         self.reset_parameters()
@@ -292,8 +319,54 @@ class SubMConv3d(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, features: torch.Tensor, sites: VoxelSites) -> torch.Tensor:
+        if self.backend == "spconv":
+            return self._spconv_forward(features, sites)
         return submanifold_conv3d(features, sites, self.weight, self.bias)
+
+    def _spconv_forward(self, features: torch.Tensor, sites: VoxelSites) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled() and features.device.type != "cuda":
+            raise RuntimeError("the spconv sparse-convolution backend trains on CUDA only (its CPU backward gives "
+                               "wrong results): set backends.sparse_conv='torch' or 'auto' to train on CPU")
+        if self._spconv_module is None:
+            import spconv.pytorch as spconv  # deferred: spconv is optional
+
+            module = spconv.SubMConv3d(self.in_channels, self.out_channels, self.kernel_size, bias=False,
+                                       indice_key=f"pimm_subm{self.kernel_size}")
+            object.__setattr__(self, "_spconv_module", module)  # not a submodule: its weight is this module's
+        self._spconv_module.weight = self.weight
+        result = self._spconv_module(sites.spconv_tensor(features))
+        sites.keep_spconv_pairs(result)
+        return result.features if self.bias is None else result.features + self.bias
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
                 f"bias={self.bias is not None}")
+
+
+def spconv_installed() -> bool:
+    return importlib.util.find_spec("spconv") is not None
+
+
+def select_sparse_conv_backend(model: nn.Module, requested: str, device: torch.device) -> str | None:
+    """Set the backend of every SubMConv3d in `model` (names.SPARSE_CONV_BACKENDS); returns the one
+    chosen, None for a model without sparse convolutions. "auto": spconv on CUDA where it is installed,
+    else torch; "spconv" where it is not installed: ValueError saying how to install it."""
+    convs = [m for m in model.modules() if isinstance(m, SubMConv3d)]
+    if not convs:
+        return None
+    if requested == "spconv" and not spconv_installed():
+        raise ValueError("backends.sparse_conv='spconv' but spconv is not installed: pip install spconv-cu126 (the "
+                         "build for your CUDA), or use 'torch' (pure PyTorch) or 'auto'")
+    chosen = requested
+    if requested == "auto":
+        chosen = "spconv" if device.type == "cuda" and spconv_installed() else "torch"
+    for conv in convs:
+        conv.backend = chosen
+    return chosen
+
+
+def apply_backends(model: nn.Module, cfg: dict, device: torch.device) -> dict[str, str]:
+    """The config's `backends` applied to `model` on `device`: {"sparse_conv": the backend chosen}
+    for a model with sparse convolutions, {} otherwise (what provenance records and the log says)."""
+    chosen = select_sparse_conv_backend(model, (cfg.get("backends") or {}).get("sparse_conv", "auto"), device)
+    return {} if chosen is None else {"sparse_conv": chosen}
