@@ -64,7 +64,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from pimm.data.dataset import build_dataset
     from pimm.data.predictions import merge_predictions
     from pimm.data.sampler import ShardedEvalSampler
-    from pimm.distributed.env import all_reduce_max, all_reduce_sum, barrier, init_distributed
+    from pimm.distributed.env import all_reduce_max, all_reduce_sum, barrier, destroy_distributed, init_distributed
     from pimm.distributed.strategy import build_strategy
     from pimm.engine.evaluation import evaluate_events, prediction_writer
     from pimm.models import build_model
@@ -128,6 +128,9 @@ def rank_main(args: argparse.Namespace) -> None:
         result = {"world_size": env.world_size, "events": len(dataset), "seconds": seconds,
                   "quiet_waits_s": [w.seconds for w in gate.waits]}
         args.out.write_text(json.dumps(result) + "\n")
+    # gloo's threads outlive an undestroyed group at interpreter exit: a rank can abort ("terminate
+    # called without an active exception", seen once in CI) after its result was written
+    destroy_distributed()
 
 
 def main(argv: list[str] | None = None) -> None:
