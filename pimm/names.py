@@ -7,7 +7,7 @@ pimm.distributed.strategy) register exactly these names, and the launcher's conf
 
 OPTIMIZERS = ("SGD", "Adam", "AdamW")  # torch.optim classes of the same name
 SCHEDULERS = ("OneCycleLR", "CosineAnnealingLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR")
-MODELS = ("PointSegNet", "PointTransformer")  # their options: pimm.config.validate.MODEL_OPTIONS
+MODELS = ("PointSegNet", "PointTransformer", "DefaultSegmentorV2")  # their options: pimm.config.validate.MODEL_OPTIONS
 # the `feat` columns every dataset gives a point (pimm.data.dataset): a model's in_channels must match
 FEATURE_COLUMNS = ("x", "y", "z", "log_energy")
 # how a dataset computes them (features=...): pimm.data.transforms.feature_columns

@@ -397,6 +397,9 @@ def _list_of(what: str, ok: Callable[[Any], bool]) -> Rule:
 _STAGE_LIST = _list_of("integers >= 1, one per encoder stage", lambda x: _is_int(x) and x >= 1)
 _DECODER_LIST = Rule("a list of integers >= 1, one per decoder stage (len(enc_depths) - 1)",
                      lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) and x >= 1 for x in v))
+_CRITERIA = Rule("a list of dict(type='CrossEntropyLoss' | 'LovaszLoss', loss_weight=..., ...) (the published "
+                 "losses; pimm computes the loss in the task: see task.loss)",
+                 lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(c, dict) for c in v)))
 # model type -> its constructor arguments (pimm.models; a test holds these to the signatures)
 MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
     "PointSegNet": {
@@ -417,7 +420,90 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
         "mlp_ratio": number(0, strict=True),
         "drop_path": Rule("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1),
     },
+    "DefaultSegmentorV2": {
+        "num_classes": integer(0, " (0: no head, the backbone's features)"),
+        "backbone_out_channels": integer(1, " (the backbone's output width: dec_channels[0], or with enc_mode the "
+                                            "sum of enc_channels)"),
+        "backbone": component("backbone", ("PT-v3m2",)),
+        "criteria": _CRITERIA,
+        "freeze_backbone": BOOL,
+        "mlp_head": BOOL,
+        "grid_size": number(0, strict=True),
+        "grid_origin": Rule("a finite number", _is_number),
+    },
 }
+
+
+_ORDER_NAMES = Rule(f"one of {', '.join(names.SERIALIZATION_ORDERS)} or a list of them",
+                    lambda v: (v in names.SERIALIZATION_ORDERS) if isinstance(v, str) else (
+                        isinstance(v, (list, tuple)) and len(v) > 0 and all(x in names.SERIALIZATION_ORDERS for x in v)))
+_FRACTION = Rule("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1)
+# PT-v3m2, the published backbone (pimm.models.point_transformer_v3m2): every published constructor argument
+BACKBONE_OPTIONS: dict[str, dict[str, Rule]] = {
+    "PT-v3m2": {
+        "in_channels": integer(1, " (feature columns per point)"),
+        "order": _ORDER_NAMES,
+        "stride": _list_of("integers >= 1, one per pooling (len(enc_depths) - 1)", lambda x: _is_int(x) and x >= 1),
+        **{key: _STAGE_LIST for key in ("enc_depths", "enc_channels", "enc_num_head", "enc_patch_size")},
+        **{key: _DECODER_LIST for key in ("dec_depths", "dec_channels", "dec_num_head", "dec_patch_size")},
+        "mlp_ratio": number(0, strict=True),
+        "qkv_bias": BOOL,
+        "qk_scale": optional(number(0, strict=True), "1 / sqrt(channels per head)"),
+        "attn_drop": _FRACTION,
+        "proj_drop": _FRACTION,
+        "drop_path": _FRACTION,
+        "layer_scale": optional(number(0, strict=False), "no LayerScale"),
+        "pre_norm": BOOL,
+        "shuffle_orders": BOOL,
+        "enable_rpe": Rule("false: pimm's PT-v3m2 has no relative position encoding (the published recipes do not "
+                           "use it; with flash attention the published code refuses it too)", lambda v: v is False),
+        "enable_flash": BOOL,
+        "full_attention": Rule("false (the published code ignores it too)", lambda v: v is False),
+        "upcast_attention": BOOL,
+        "upcast_softmax": BOOL,
+        "traceable": BOOL,
+        "mask_token": BOOL,
+        "enc_mode": BOOL,
+        "freeze_encoder": BOOL,
+        "cpe_first_layer_only": BOOL,
+        "cpe_shared_weight": BOOL,
+        "embedding_act_layer": BOOL,
+        "add_iso_features": Rule("false (the published code computes no iso feature either: its code is commented "
+                                 "out)", lambda v: v is False),
+        "iso_k": integer(1),
+        "iso_r": optional(number(0, strict=True), "none"),
+    },
+}
+
+
+def check_backbone_arguments(type_name: str, arguments: dict) -> None:
+    """What a backbone's constructor runs on all its arguments (as check_model_arguments for models)."""
+    _check_backbone({"type": type_name, **arguments}, "model.backbone")
+
+
+def _check_backbone(backbone: Any, where: str) -> None:
+    if not isinstance(backbone, dict) or backbone.get("type") not in BACKBONE_OPTIONS:
+        raise ConfigError(f"{where}={backbone!r:.80} is not allowed: it must be dict(type=..., ...) with type one of "
+                          f"{', '.join(BACKBONE_OPTIONS)}")
+    options = BACKBONE_OPTIONS[backbone["type"]]
+    for key, value in backbone.items():
+        if key == "type":
+            continue
+        if key not in options:
+            close = difflib.get_close_matches(str(key), options, n=1, cutoff=0.6)
+            hint = f"did you mean '{where}.{close[0]}'? " if close else ""
+            raise ConfigError(f"{where}.{key} is not an option of {backbone['type']}: {hint}its options are "
+                              f"{', '.join(options)}. Fix or remove it in the config")
+        if not options[key].ok(value):
+            raise _refusal(f"{where}.{key}", value, options[key])
+    encoder_only = backbone.get("enc_mode") is True  # its decoder lists are not used
+    stages = {k: v for k, v in backbone.items() if not (encoder_only and k in _PTV3_DECODER_KEYS)}
+    _check_point_transformer_stages(stages, where)
+    if stages.get("enc_depths") is not None and backbone.get("stride") is not None and \
+            len(backbone["stride"]) != len(backbone["enc_depths"]) - 1:
+        raise ConfigError(f"{where}.stride={backbone['stride']!r} is not allowed: it has {len(backbone['stride'])} "
+                          f"entries but the encoder pools {len(backbone['enc_depths']) - 1} time(s) "
+                          "(len(enc_depths) - 1)")
 
 
 def check_model(model: dict) -> None:
@@ -438,6 +524,8 @@ def check_model(model: dict) -> None:
             raise _refusal(f"model.{key}", value, options[key])
     if model["type"] == "PointTransformer":
         _check_point_transformer_stages(model)
+    if model["type"] == "DefaultSegmentorV2":
+        _check_backbone(model.get("backbone"), "model.backbone")
 
 
 def check_model_arguments(type_name: str, arguments: dict) -> None:
@@ -449,12 +537,12 @@ _PTV3_STAGE_KEYS = ("enc_depths", "enc_channels", "enc_num_head", "enc_patch_siz
 _PTV3_DECODER_KEYS = ("dec_depths", "dec_channels", "dec_num_head", "dec_patch_size")
 
 
-def _check_point_transformer_stages(model: dict) -> None:
+def _check_point_transformer_stages(model: dict, where: str = "model") -> None:
     """The PointTransformer options that relate to each other: one entry per encoder stage, one per
     decoder stage (one fewer), channels divisible by heads."""
     def fail(key: str, why: str) -> ConfigError:
-        return ConfigError(f"model.{key}={model[key]!r:.100} is not allowed: {why}. Fix it in the config or "
-                           f"override it: -- model.{key}=<value>")
+        return ConfigError(f"{where}.{key}={model[key]!r:.100} is not allowed: {why}. Fix it in the config or "
+                           f"override it: -- {where}.{key}=<value>")
 
     stages = len(model["enc_depths"]) if model.get("enc_depths") is not None else None
     for keys, expected, what in ((_PTV3_STAGE_KEYS, stages, "the encoder has {} stage(s) (len(enc_depths))"),

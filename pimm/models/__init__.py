@@ -2,11 +2,14 @@
 
 from pimm.models.point_seg_net import Block, PointSegNet
 from pimm.models.point_transformer import PointTransformer, TransformerBlock
+from pimm.models.point_transformer_v3m2 import DefaultSegmentorV2, PointTransformerV3
 from pimm.registry import Registry
 
 MODELS = Registry("model")
 MODELS.register(PointSegNet)
 MODELS.register(PointTransformer)
+MODELS.register(DefaultSegmentorV2)
+MODELS.register(PointTransformerV3, name="PT-v3m2")  # a backbone: DefaultSegmentorV2(backbone=...)
 
 
 def build_model(cfg: dict):
@@ -14,4 +17,5 @@ def build_model(cfg: dict):
     return MODELS.build(cfg)
 
 
-__all__ = ["MODELS", "Block", "PointSegNet", "PointTransformer", "TransformerBlock", "build_model"]
+__all__ = ["MODELS", "Block", "DefaultSegmentorV2", "PointSegNet", "PointTransformer", "PointTransformerV3",
+           "TransformerBlock", "build_model"]
