@@ -170,9 +170,9 @@ def load_published(mirror: Path) -> types.ModuleType:
         "def build_criteria(cfg):\n"
         "    return None\n")
     sys.path.insert(0, str(root.parent))
-    import published_pimm.builder as builder
     import published_pimm.default  # noqa: F401  (registers DefaultSegmentorV2)
     import published_pimm.ptv3m2  # noqa: F401  (registers PT-v3m2)
+    from published_pimm import builder
 
     return builder
 
@@ -244,7 +244,8 @@ def outputs(builder) -> dict:
         model.load_state_dict(reference_weights(model.state_dict()))
         with torch.no_grad():
             torch.manual_seed(7)  # the pooled levels draw their order permutation from the global RNG
-            logits = model({k: v.clone() if torch.is_tensor(v) else v for k, v in result["inputs"].items()})["seg_logits"]
+            inputs = {k: v.clone() if torch.is_tensor(v) else v for k, v in result["inputs"].items()}
+            logits = model(inputs)["seg_logits"]
         result["models"][name] = {"config": cfg, "seg_logits": logits, "rng_seed": 7}
     return result
 

@@ -1,13 +1,11 @@
 """The PointTransformer backbone: space-filling-curve serialization, the model's event isolation
-and gradients, the sizes of its configs, 1 vs 2 rank parity through `pimm launch` (DDP and
-FSDP2), and the backbone benchmark end to end."""
+and gradients, the sizes of its configs, and the backbone benchmark end to end. (configs/tests/tiny_ptv3.py
+is PT-v3m2: its launches are in test_ptv3m2.py.)"""
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -15,19 +13,6 @@ import pytest
 import torch
 from conftest import (
     REPO,
-    assert_bitwise_equal,
-    kill_run,
-    losses,
-    metrics_lines,
-    pimm_in_process,
-    processes_of,
-    run_pimm,
-    signal_all,
-    start_launch,
-    steps,
-    wait_for_run,
-    wait_until,
-    weights,
 )
 
 from pimm.config import load_config
@@ -220,7 +205,6 @@ def test_training_randomness_of_an_event_depends_on_the_step_and_its_id_only():
 
 
 @pytest.mark.parametrize("config,low,high", [
-    ("configs/tests/tiny_ptv3.py", 20e3, 60e3),
     ("configs/demo/semseg_ptv3.py", 0.5e6, 1.5e6),  # the small one: 0.74M
     ("configs/bench/ptv3_large.py", 90e6, 110e6),  # 99.2M
 ])
@@ -232,102 +216,6 @@ def test_config_sizes(config, low, high):
     print(f"{config}: {count:,} parameters")
     assert low <= count <= high, count
     assert cfg["parallel"]["wrap_classes"] == ["TransformerBlock"]
-
-
-# ----------------------------------------------------------------------------- through pimm launch
-
-
-def launch_ptv3(exp, tiny_data, nproc: int, name: str, *overrides: str):
-    res = run_pimm(["launch", "--train.config", TINY_PTV3, "--resources.nproc-per-node", str(nproc), "--run.name",
-                    name, "--run.no-timestamp", "--paths.exp-root", str(exp), "--",
-                    f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}", "max_steps=4",
-                    "log_event_ids=true", *overrides], cwd=REPO)
-    assert res.returncode == 0, res.stderr
-    run_dir = exp / "tests" / name
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return run_dir, [r["loss"] for r in records if r["kind"] == "train"]
-
-
-@pytest.fixture(scope="module")
-def ptv3_reference(tmp_path_factory, tiny_data):
-    """An uninterrupted 2-rank DDP epoch (12 steps) of tiny_ptv3 with loader workers (num_worker=4): the
-    SIGUSR1 test's reference, and (its first 4 steps) the 2-rank DDP run of the parity test."""
-    exp = tmp_path_factory.mktemp("ptv3")
-    reference = start_launch(exp, tiny_data, 2, "num_worker=4", "epochs=1", "log_event_ids=true", name="reference",
-                             extra=["--train.config", TINY_PTV3])
-    try:
-        out, err = reference.communicate(timeout=300)
-    finally:
-        kill_run(reference)
-    assert reference.returncode == 0, err
-    return exp / "tests" / "reference"
-
-
-def test_one_and_two_ranks_and_accumulation_train_alike_under_ddp_and_fsdp2(tmp_path, tiny_data, ptv3_reference):
-    """With drop path on (tiny_ptv3: 0.2) and shuffled curves: 1 rank, 2 ranks (DDP, FSDP2) and 1 rank
-    in 2 micro-batches give the same losses: the randomness is keyed by step and event, not rank. The
-    2-rank DDP run is the first 4 steps of the module's reference epoch (constant learning rate; loader
-    workers change no event)."""
-    one, loss1 = launch_ptv3(tmp_path, tiny_data, 1, "one")
-    two_steps = {step: ids for step, ids in steps(ptv3_reference).items() if step <= 4}
-    loss2 = [loss for step, loss in sorted(losses(ptv3_reference).items()) if step <= 4]
-    fsdp, loss3 = launch_ptv3(tmp_path, tiny_data, 2, "fsdp2", "parallel.strategy=fsdp2",
-                              "parallel.wrap_classes=[TransformerBlock]")
-    accum, loss4 = launch_ptv3(tmp_path, tiny_data, 1, "accum", "grad_accum_steps=2")
-    assert steps(one) == two_steps == steps(fsdp) == steps(accum)  # the same global batches, by construction
-    assert len(loss1) == 4
-    for other in (loss2, loss3, loss4):
-        worst = max(abs(a - b) / abs(a) for a, b in zip(loss1, other, strict=True))
-        assert worst <= LOSS_RTOL, (loss1, other)
-    log = (fsdp / "logs" / "rank0.log").read_text()
-    assert "fsdp2: 5 TransformerBlock module(s) sharded" in log
-
-
-def test_sigusr1_to_every_process_with_loader_workers_then_resume_is_bit_exact(tmp_path, tiny_data, ptv3_reference):
-    """As a cluster stops a job: every process (launcher, torchrun, 2 ranks, their loader workers) gets
-    SIGUSR1; the resumed run draws the same shuffled curves and drop-path masks (keyed by the
-    optimizer step and the event ids) and ends with the uninterrupted run's losses and weights, bit
-    for bit."""
-    common = ("num_worker=4", "epochs=1", "log_event_ids=true")
-    extra = ["--train.config", TINY_PTV3]  # the same run as ptv3_reference, stopped and resumed
-    proc = start_launch(tmp_path, tiny_data, 2, *common, name="job", extra=extra)
-    run_dir = tmp_path / "tests" / "job"
-    try:
-        wait_for_run(proc, lambda: metrics_lines(run_dir) >= 3)
-        assert wait_until(lambda: len(processes_of(proc)) >= 8, timeout=30), processes_of(proc)
-        signal_all(processes_of(proc), signal.SIGUSR1)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        kill_run(proc)
-    assert proc.returncode == 75, err
-    stopped_at = json.loads((run_dir / "model/last/.complete").read_text())["step"]
-    assert stopped_at < 12
-    res = run_pimm(["launch", "--train.config", TINY_PTV3, "--run.name", "job", "--run.no-timestamp",
-                    "--paths.exp-root", str(tmp_path), "--train.resume"], cwd=REPO)
-    assert res.returncode == 0, res.stderr
-    ref_dir = ptv3_reference
-    assert steps(run_dir) == steps(ref_dir)
-    assert losses(run_dir) == losses(ref_dir)
-    assert_bitwise_equal(weights(run_dir), weights(ref_dir))
-
-
-@pytest.mark.parametrize(("override", "message"), [
-    ("model.enc_depths=[1,1]", "model.enc_channels=[16, 32, 64] is not allowed: it has 3 entries but the encoder"),
-    ("model.dec_depths=[1,1,1]", "it has 3 entries but the decoder has 2 stage(s) (len(enc_depths) - 1)"),
-    ("model.orders=[z,peano]", "must be a non-empty list of z, z-trans, hilbert, hilbert-trans"),
-    ("model.enc_num_head=[3,3,3]", "enc_channels must be divisible by it stage by stage (16 by 3)"),
-    ("model.drop_path=1.5", "model.drop_path=1.5 is not allowed: model.drop_path must be a number in [0, 1)"),
-    ("model.grid_size=0", "model.grid_size=0 is not allowed: model.grid_size must be a finite number > 0"),
-])
-def test_bad_model_options_exit_2_before_any_process(tmp_path, tiny_data, override, message):
-    res = pimm_in_process(["launch", "--train.config", TINY_PTV3, "--paths.exp-root", str(tmp_path), "--dry-run", "--",
-                           f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}",
-                           "model.enc_depths=[1,1,1]", "model.enc_channels=[16,32,64]", "model.enc_num_head=[2,4,4]",
-                           "model.enc_patch_size=[16,16,16]", "model.dec_depths=[1,1]", "model.dec_channels=[16,32]",
-                           "model.dec_num_head=[2,4]", "model.dec_patch_size=[16,16]", override])
-    assert res.returncode == 2, res.stderr
-    assert message in res.stderr and "Traceback" not in res.stderr
-    assert not any(tmp_path.iterdir())
 
 
 def test_a_model_built_from_defaults_it_cannot_use_is_a_config_error():

@@ -34,9 +34,9 @@ wandb = dict(enabled=False, mode="offline", project="pimm", entity=None, group=N
 
 # what is learned: per-point classes. ignore_index: the label that counts in neither loss nor metrics
 # (PILArNet's -1); class_weights: one loss weight per class (None: equal); best_metric picks model_best.pth;
-# loss: terms summed with their weights, per event (CrossEntropy, Lovasz, Focal with gamma=2.0; pimm.tasks.losses)
-task = dict(type="SemanticSegmentation", class_weights=None, ignore_index=-1, best_metric="miou",
-            loss=[dict(type="CrossEntropy", weight=1.0)])
+# loss: terms summed with their weights, per event (CrossEntropy, Lovasz, Focal with gamma=2.0; pimm.tasks.losses);
+# None: the published model.criteria of a DefaultSegmentorV2 when it has them, else CrossEntropy alone
+task = dict(type="SemanticSegmentation", class_weights=None, ignore_index=-1, best_metric="miou", loss=None)
 data = dict(num_classes=5, names=["shower", "track", "michel", "delta", "low_energy"], train=None, val=None, test=None)
 # fine-tuning. pretrained: weights to start from (--train.weight PATH sets path): a .pth/.safetensors
 # file (a bare state_dict, or one under 'state_dict'/'model'; a DDP 'module.' prefix is removed), a

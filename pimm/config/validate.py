@@ -286,19 +286,23 @@ def check_config(cfg: dict) -> None:
             check_transforms(data[split], f"data.{split}")
     check_model(model)
     check_finetune(cfg)
-    in_channels = model.get("in_channels")
+    backbone = model.get("backbone") if isinstance(model.get("backbone"), dict) else {}
+    where = "model.backbone.in_channels" if "in_channels" in backbone else "model.in_channels"
+    in_channels = backbone.get("in_channels", model.get("in_channels"))
     if in_channels is not None and in_channels != len(names.FEATURE_COLUMNS):
         raise ConfigError(
-            f"model.in_channels={in_channels} but every data set gives {len(names.FEATURE_COLUMNS)} feature columns "
-            f"per point ({', '.join(names.FEATURE_COLUMNS)}): set model.in_channels={len(names.FEATURE_COLUMNS)}")
+            f"{where}={in_channels} but every data set gives {len(names.FEATURE_COLUMNS)} feature columns "
+            f"per point ({', '.join(names.FEATURE_COLUMNS)}): set {where}={len(names.FEATURE_COLUMNS)}")
     task = cfg.get("task")
     if isinstance(task, dict):
         unknown = sorted(set(task) - {"type", "class_weights", "ignore_index", "best_metric", "loss"})
         if unknown:
             raise ConfigError(f"task.{unknown[0]} is not an option of {task['type']}; its options are "
                               "class_weights, ignore_index, best_metric, loss.")
-        check_segmentation_options(num_classes, task.get("class_weights"), task.get("ignore_index", -1),
-                                   task.get("best_metric", "miou"), task.get("loss", DEFAULT_LOSS))
+    loss = task_loss(cfg)
+    task = task if isinstance(task, dict) else {}
+    check_segmentation_options(num_classes, task.get("class_weights"), task.get("ignore_index", -1),
+                               task.get("best_metric", "miou"), loss)
     class_names = data.get("names")
     if class_names is not None and len(class_names) != num_classes:
         raise ConfigError(
@@ -331,6 +335,52 @@ LOSS_OPTIONS: dict[str, dict[str, Rule]] = {
     "Lovasz": {},
     "Focal": {"gamma": number(0, strict=False)},
 }
+
+
+# the published criteria (model.criteria of DefaultSegmentorV2) -> pimm's loss term and the options it keeps
+_PUBLISHED_CRITERIA = {"CrossEntropyLoss": "CrossEntropy", "LovaszLoss": "Lovasz", "FocalLoss": "Focal"}
+_CRITERIA_KEPT = {"FocalLoss": ("gamma",)}
+# options of a published criterion pimm accepts at these values only (pimm's task owns them)
+_CRITERIA_FIXED = {"ignore_index": (-1,), "mode": ("multiclass",), "class_weights": (None,), "weight": (None,),
+                   "reduction": ("mean",), "alpha": (None,)}
+
+
+def loss_from_criteria(criteria: Any) -> list[dict]:
+    """task.loss from the published `model.criteria` (CrossEntropyLoss, LovaszLoss, FocalLoss with their
+    loss_weight): what pimm's task computes when a pasted published model brings its losses. pimm's terms
+    are per event (pimm.tasks.losses); ConfigError for a criterion or an option pimm cannot honour."""
+    terms = []
+    for i, criterion in enumerate(criteria or []):
+        key = f"model.criteria[{i}]"
+        kind = criterion.get("type") if isinstance(criterion, dict) else None
+        if kind not in _PUBLISHED_CRITERIA:
+            raise ConfigError(f"{key}={criterion!r:.100} is not a criterion pimm can compute: its type must be one of "
+                              f"{', '.join(_PUBLISHED_CRITERIA)}; or remove model.criteria and set task.loss "
+                              f"({', '.join(names.LOSSES)})")
+        term = {"type": _PUBLISHED_CRITERIA[kind], "weight": criterion.get("loss_weight", 1.0)}
+        for option, value in criterion.items():
+            if option in ("type", "loss_weight"):
+                continue
+            if option in _CRITERIA_KEPT.get(kind, ()):
+                term[option] = value
+            elif value not in _CRITERIA_FIXED.get(option, ()):
+                where = {"ignore_index": "task.ignore_index", "class_weights": "task.class_weights",
+                         "weight": "task.class_weights", "alpha": "task.class_weights"}.get(option)
+                how = f"set {where} instead" if where else "remove it"
+                raise ConfigError(f"{key}.{option}={value!r} is not supported by pimm's {term['type']}: {how}")
+        terms.append(term)
+    return terms
+
+
+def task_loss(cfg: dict) -> list[dict]:
+    """The loss terms a config trains with: task.loss, else the published model.criteria, else DEFAULT_LOSS."""
+    task, model = cfg.get("task") or {}, cfg.get("model") or {}
+    if task.get("loss") is not None and model.get("criteria"):
+        raise ConfigError("task.loss and model.criteria are both set: pimm computes the loss in the task, from one of "
+                          "them. Remove model.criteria (the published losses) or task.loss")
+    if task.get("loss") is not None:
+        return task["loss"]
+    return loss_from_criteria(model.get("criteria")) or DEFAULT_LOSS
 
 
 def check_loss_terms(loss: Any) -> None:

@@ -55,7 +55,7 @@ from torch import nn
 
 from pimm.data.collate import offset_to_batch_index
 from pimm.models.point_seg_net import cluster_mean
-from pimm.models.point_transformer import event_keys, event_uniforms, pack_keys, step_key, _mix32, _MASK32
+from pimm.models.point_transformer import _MASK32, _mix32, event_keys, event_uniforms, pack_keys, step_key
 from pimm.models.serialization import check_depth, encode
 from pimm.models.sparse_conv import SubMConv3d, VoxelSites
 
@@ -156,7 +156,7 @@ class Level:
         """The windows of order `order_index` for `patch_size`, as the published code pads them."""
         size = patch_size
         if shrink_to_smallest and self.published:  # published enable_flash=False: the smallest event
-            size = min(min(c for c in self.counts if c > 0), patch_size)
+            size = min(*(c for c in self.counts if c > 0), patch_size)
         key = (order_index, size)
         if key not in self._windows:
             self._windows[key] = self._layout(self.order_idx[order_index], self.inverse[order_index], size)
@@ -208,7 +208,8 @@ class DropPath(nn.Module):
         if keys is None:
             keep = x.new_empty(x.shape[0], 1).bernoulli_(1.0 - self.p)
         else:
-            place = torch.arange(level.num_voxels, device=x.device) - torch.tensor(level.starts, device=x.device)[level.batch]
+            starts = torch.tensor(level.starts, device=x.device)
+            place = torch.arange(level.num_voxels, device=x.device) - starts[level.batch]  # the voxel within its event
             voxel_keys = _mix32((keys[level.batch] + place * 0x9E3779B1) & _MASK32)
             keep = (event_uniforms(voxel_keys, self.stream) >= self.p).to(x.dtype).unsqueeze(1)
         return x * keep / (1.0 - self.p)

@@ -8,6 +8,7 @@ looks at labels or logits itself, so a second task (another label set, a regress
 class here, not a fork of the loop.
 """
 
+from pimm.config.validate import task_loss
 from pimm.registry import Registry
 from pimm.tasks.base import Meter, Task, TaskOutput
 from pimm.tasks.losses import LOSSES
@@ -19,7 +20,8 @@ TASKS.register(SemanticSegmentation)
 
 def build_task(cfg: dict) -> Task:
     """The task of a resolved config: `cfg["task"]` (type and options) with the data's classes."""
-    task = cfg.get("task") or {"type": "SemanticSegmentation"}
+    task = {"type": "SemanticSegmentation", **(cfg.get("task") or {})}
+    task["loss"] = task_loss(cfg)  # task.loss, or the published model.criteria
     data = cfg["data"]
     return TASKS.build(task, num_classes=int(data["num_classes"]), class_names=data.get("names"))
 
