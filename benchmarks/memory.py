@@ -9,8 +9,9 @@ For every world size N and strategy this starts one torchrun (`python -m torch.d
 --standalone --nproc-per-node N benchmarks/memory.py --worker SPEC`, gloo on CPU, NCCL on
 CUDA). Each rank builds the model, strategy and optimizer exactly as pimm's trainer does
 (`build_model`, `build_strategy`, `build_optimizer`, `strategy.clip_grad_norm`), trains on one
-random batch of its share of the global batch (`points_per_event` points per event, the same
-batch at every step), and after `warmup` steps measures `steps` more:
+batch of its share of the global batch (generated PILArNet-M-like events of `points_per_event`
+distinct voxels, random features and labels; the same batch at every step), and after `warmup`
+steps measures `steps` more:
 
 * held bytes: the local shards of parameters, of their `.grad` and of every tensor in
   `optimizer.state` (for DTensors `to_local()`), split into the parameters inside the
@@ -117,13 +118,18 @@ def _reset_peak_rss() -> bool:
 
 
 def random_batch(events: int, points: int, in_channels: int, num_classes: int, seed: int):
-    """A packed batch of `events` random point clouds of `points` points in a 256^3 detector."""
+    """A packed batch of `events` generated PILArNet-M-like events of `points` distinct voxels each
+    (tracks and showers in a 768^3 volume, pimm.data.synth.distinct_voxels: sparse convolutions and
+    voxel pooling see realistic neighbourhoods), random features and labels."""
     import torch
+
+    from pimm.data.synth import distinct_voxels
 
     g = torch.Generator().manual_seed(seed)
     n = events * points
+    coords = [torch.from_numpy(distinct_voxels(points, seed, e)).float() + 0.5 for e in range(events)]
     return {
-        "coord": torch.rand(n, 3, generator=g) * 256.0,
+        "coord": torch.cat(coords),
         "feat": torch.randn(n, in_channels, generator=g),
         "segment": torch.randint(0, num_classes, (n,), generator=g),
         "offset": torch.arange(1, events + 1, dtype=torch.int64) * points,
@@ -166,7 +172,8 @@ def worker(spec_path: Path) -> None:
     clip = cfg.get("clip_grad") or math.inf
 
     model_cfg = cfg["model"]
-    batch = random_batch(plan.events_per_rank, int(spec["points_per_event"]), int(model_cfg.get("in_channels", 4)),
+    in_channels = (model_cfg.get("backbone") or model_cfg).get("in_channels", 4)  # DefaultSegmentorV2: its backbone's
+    batch = random_batch(plan.events_per_rank, int(spec["points_per_event"]), int(in_channels),
                          int(cfg["data"]["num_classes"]), seed=int(cfg["seed"]) + 1_000_003 * env.rank)
     batch = {k: v.to(env.device) for k, v in batch.items()}
 

@@ -34,11 +34,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 from _timing import OtherLoad, QuietGate, Spread, abba, add_arguments
 
-from pimm.data.synth import pilarnet_event
+from pimm.data.synth import distinct_voxels
 from pimm.models.sparse_conv import SubMConv3d, VoxelSites
 
 SIDES = ("pimm", "spconv")
@@ -68,24 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def event_voxels(points: int, seed: int, event: int) -> np.ndarray:
-    """`points` distinct integer voxels [points, 3] of one generated event (drawings overlaid as needed)."""
-    drawn: list[np.ndarray] = []
-    distinct = np.empty((0, 3), np.int64)
-    for drawing in range(1000):
-        coord = pilarnet_event(seed, event * 1000 + drawing, points_per_event=points)["coord"].astype(np.int64)
-        drawn.append(coord)
-        stacked = np.concatenate(drawn)
-        _, first = np.unique(stacked, axis=0, return_index=True)
-        distinct = stacked[np.sort(first)]  # the drawing order, each voxel once
-        if len(distinct) >= points:
-            return distinct[:points]
-    raise RuntimeError(f"the generator gave only {len(distinct)} distinct voxels for {points} asked")
-
-
 def batch_sites(points: int, events: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """grid_coord [events * points, 3] and batch_index of a batch of generated events."""
-    coords = [torch.from_numpy(event_voxels(points, seed, e)) for e in range(events)]
+    coords = [torch.from_numpy(distinct_voxels(points, seed, e)) for e in range(events)]
     batch = torch.repeat_interleave(torch.arange(events), points)
     return torch.cat(coords), batch
 

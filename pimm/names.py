@@ -8,6 +8,7 @@ pimm.distributed.strategy) register exactly these names, and the launcher's conf
 OPTIMIZERS = ("SGD", "Adam", "AdamW")  # torch.optim classes of the same name
 SCHEDULERS = ("OneCycleLR", "CosineAnnealingLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR")
 MODELS = ("PointSegNet", "PointTransformer", "DefaultSegmentorV2")  # their options: pimm.config.validate.MODEL_OPTIONS
+BACKBONES = ("PT-v3m2",)  # DefaultSegmentorV2(backbone=dict(type=...)): pimm.config.validate.BACKBONE_OPTIONS
 # the `feat` columns every dataset gives a point (pimm.data.dataset): a model's in_channels must match
 FEATURE_COLUMNS = ("x", "y", "z", "log_energy")
 # how a dataset computes them (features=...): pimm.data.transforms.feature_columns
@@ -26,13 +27,17 @@ AMP_DTYPES = ("bfloat16", "float32")  # float16 needs a GradScaler, which pimm d
 # data.<split>.transforms=[dict(type=..., ...)]: name -> its arguments and their defaults (pimm.data.transforms;
 # the launcher's check of the values is pimm.config.validate.check_transforms)
 TRANSFORMS = {
-    "RandomRotate": {"axis": "z", "angle": (-180.0, 180.0)},  # degrees, about the volume centre
+    "RandomRotate": {"axis": "z", "angle": (-180.0, 180.0), "p": 1.0},  # degrees, about the volume centre, with p
     "RandomFlip": {"axes": ("x", "y", "z"), "p": 0.5},  # each axis mirrored about the volume centre with p
-    "Jitter": {"sigma": 0.01},  # Gaussian noise on every coordinate, in coordinate units
+    "Jitter": {"sigma": 0.01, "clip": None},  # Gaussian noise on every coordinate (coordinate units), cut at +-clip
     "RandomScale": {"scale": (0.9, 1.1)},  # one factor for all axes, about the volume centre
-    "GridSample": {"grid_size": 1.0, "mode": "first"},  # one point per voxel: "first" or "sum" (of the energies)
+    # one point per voxel: "first", "sum" (of the energies) or "random"; return_grid_coord: later transforms move
+    # only the x, y, z feature columns
+    "GridSample": {"grid_size": 1.0, "mode": "first", "return_grid_coord": False},
     "NormalizeCoord": {},  # feature x, y, z: centred on the event's mean, divided by its largest radius
     "LogEnergy": {"scale": None},  # feature log_energy = log1p(energy / scale); None: the dataset's energy_scale
     "RandomCrop": {"max_points": 100000},  # the max_points points nearest to a random point of the event
+    "CenterShift": {},  # move the event's bounding-box centre to the volume centre
 }
-RANDOM_TRANSFORMS = ("RandomRotate", "RandomFlip", "Jitter", "RandomScale", "RandomCrop")
+# the transforms that draw random numbers (GridSample with mode="random" only)
+RANDOM_TRANSFORMS = ("RandomRotate", "RandomFlip", "Jitter", "RandomScale", "RandomCrop", "GridSample")

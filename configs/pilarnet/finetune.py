@@ -1,7 +1,11 @@
-# A published PILArNet-M fine-tuning recipe: start from someone else's backbone, train it at a tenth of
-# the head's learning rate without weight decay on norms and biases, with cross-entropy + Lovasz-softmax,
-# rotations, flips and grid sampling, on the published readers' defaults and feature normalisation
-# (configs/pilarnet/semseg.py). Point pretrained.path at the checkpoint and data.*.path at the data:
+# pimm's own PILArNet-M fine-tuning example, NOT a published recipe: start from someone else's PointSegNet
+# backbone, train it at a tenth of the head's learning rate without weight decay on norms and biases, with
+# cross-entropy + Lovasz-softmax (weight 1), rotations about z, flips and 2-voxel grid sampling, on the
+# published readers' defaults and feature normalisation (configs/pilarnet/semseg.py). The published recipes
+# (PT-v3m2 from the Sonata-pretrained Panda-Base weights, Lovasz weight 1/20, every voxel kept, rotations
+# about z, x and y, layer-wise lr decay, their epochs, batch, lr and schedule) are
+# configs/panda/semseg/semseg-pt-v3m2-pilarnet-ft-5cls-{lin,dec,fft,scratch}.py.
+# Point pretrained.path at the checkpoint and data.*.path at the data:
 #   pimm launch --train.config pilarnet/finetune --resources.nproc-per-node 4 -- pretrained.path=/scratch/backbone.pth
 #     data.train.path=/scratch/pilarnet data.val.path=/scratch/pilarnet data.test.path=/scratch/pilarnet
 # key_map renames the checkpoint's prefixes (Pointcept-style "module.backbone." or "backbone.") onto this

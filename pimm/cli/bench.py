@@ -27,8 +27,8 @@ def add_parser(sub) -> None:
     memory = verbs.add_parser(
         "memory",
         help="bytes of parameters, gradients and optimizer state per rank, peak memory and step time",
-        description="For each world size and strategy, train a few steps on random point clouds with pimm's "
-        "model, strategy and optimizer, then report per rank the bytes of parameters, gradients and optimizer "
+        description="For each world size and strategy, train a few steps on generated PILArNet-M-like events with "
+        "pimm's model, strategy and optimizer, then report per rank the bytes of parameters, gradients and optimizer "
         "state held (local shards), the peak memory (CUDA max_memory_allocated, or peak RSS on CPU, which "
         "includes the runtime) and the median step time, against the ideal 1/N of DDP's. Writes memory.json, "
         "memory.md and memory.png to --out.",

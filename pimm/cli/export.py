@@ -1,6 +1,10 @@
-"""`pimm export --run-dir RUN [--checkpoint last|best|step_N] OUT`: a run's weights as a portable directory.
+"""`pimm export --run-dir RUN [--checkpoint last|best|step_N] [--layout pimm|published] OUT`: a run's weights
+as a portable directory.
 
-    OUT/model.safetensors  the full model state_dict (bare-model names)
+    OUT/model.safetensors  the full model state_dict (bare-model names); --layout pimm, the default
+    OUT/model.pth          --layout published instead: {"state_dict": {"module." + name: tensor}}, the file the
+                           published trainer saves and its CheckpointLoader and tester read
+                           (DeepLearnPhysics/pimm pimm/engines/hooks/misc.py, pimm/engines/test.py)
     OUT/config.json        {"model": <the run's cfg["model"]>, "class_names", "num_classes", "preprocessing",
                             "pimm_version", "checkpoint", "step", "config_hash"}; no local paths.
                             preprocessing: how the model's inputs are computed (dataset type, features
@@ -13,7 +17,7 @@ Loading needs neither pimm's trainer nor a process group:
     model = pimm.models.build_model(config["model"])
     model.load_state_dict(safetensors.torch.load_file("OUT/model.safetensors"))
 
-and `pimm launch --train.weight OUT` warm-starts a new run from it.
+and `pimm launch --train.weight OUT` warm-starts a new run from it (either layout).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pimm.errors import PimmError
 from pimm.files import atomic_path, os_error_reason, write_atomic
 from pimm.json_io import dumps
 
+LAYOUTS = ("pimm", "published")
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -36,13 +42,19 @@ def add_parser(sub) -> None:
         description="Export a checkpoint of a run as OUT/model.safetensors (the full state_dict) and OUT/config.json "
         "(the model config, class names, pimm version, step and config hash; no local paths). Load it with "
         "safetensors.torch.load_file and pimm.models.build_model(config['model']), or warm-start a run from it "
-        "with `pimm launch --train.weight OUT`.",
+        "with `pimm launch --train.weight OUT`. --layout published writes OUT/model.pth instead, the file the "
+        "published trainer (DeepLearnPhysics/pimm, Pointcept) saves and loads: {'state_dict': {'module.' + name: "
+        "tensor}}.",
     )
     p.add_argument("--run-dir", dest="run_dir", type=Path, required=True, metavar="RUN",
                    help="the run directory (with config.py and model/), e.g. exp/demo/semseg-20261202-114630")
     p.add_argument("--checkpoint", default="last", metavar="last|best|step_N",
                    help="last (default): the newest complete checkpoint; best: model/model_best.pth; step_N: the "
                    "complete checkpoint (or iter_N.pth snapshot) of optimizer step N")
+    p.add_argument("--layout", choices=LAYOUTS, default="pimm",
+                   help="pimm (default): model.safetensors with the model's own names; published: model.pth "
+                   "holding {'state_dict': {'module.' + name: tensor}}, as the published trainer (DeepLearnPhysics/"
+                   "pimm, Pointcept) saves and loads it")
     p.add_argument("out", type=Path, metavar="OUT", help="a new or empty directory to write into")
     p.set_defaults(run=run)
 
@@ -56,7 +68,7 @@ def _local_paths(value, where: str) -> list[str]:
     return [where] if isinstance(value, str) and (os.path.isabs(value) or value.startswith("~")) else []
 
 
-def export_config(cfg: dict, checkpoint: str, step: int | None) -> dict:
+def export_config(cfg: dict, checkpoint: str, step: int | None, layout: str = "pimm") -> dict:
     """The config.json of an export of a run with resolved config `cfg`: no data or other local paths."""
     from pimm.data.transforms import preprocessing  # deferred: h5py and numpy, only for an export
 
@@ -73,6 +85,7 @@ def export_config(cfg: dict, checkpoint: str, step: int | None) -> dict:
         "checkpoint": checkpoint,
         "step": step,
         "config_hash": config_hash(cfg),
+        "layout": layout,
     }
 
 
@@ -83,10 +96,12 @@ def run(args: argparse.Namespace) -> int:
     from pimm.checkpoint.weights import (  # deferred: torch, only for an export
         EXPORTED_CONFIG,
         EXPORTED_WEIGHTS,
+        PUBLISHED_WEIGHTS,
         differences,
         load_weight_file,
         match_weights,
         model_entries,
+        save,
     )
 
     run_dir, out = args.run_dir, args.out
@@ -98,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                         "give a new or empty directory")
     weights, step = choose_weights(run_dir, args.checkpoint)
     cfg = read_run_config(run_dir / "config.py")  # data: nothing in a run directory is executed
-    config = export_config(cfg, args.checkpoint, step)
+    config = export_config(cfg, args.checkpoint, step, args.layout)
     state = load_weight_file(weights)  # torch.load(weights_only=True): the same safe load as a warm start
     match = match_weights(weights, state, model_entries(cfg["model"]))
     if not match.complete:  # an export of them would not load into build_model(config["model"])
@@ -115,13 +130,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
         # config.json last, each file under a temporary name first: a directory with both is a finished export
-        with atomic_path(out / EXPORTED_WEIGHTS) as tmp:
-            save_file(tensors, tmp, metadata={"format": "pt", "config_hash": config["config_hash"], "step": str(step)})
+        weights_name = PUBLISHED_WEIGHTS if args.layout == "published" else EXPORTED_WEIGHTS
+        with atomic_path(out / weights_name) as tmp:
+            if args.layout == "published":  # the names of the published trainer's DDP model
+                save({"state_dict": {"module." + key: tensor for key, tensor in tensors.items()}}, tmp)
+            else:
+                save_file(tensors, tmp, metadata={"format": "pt", "config_hash": config["config_hash"],
+                                                  "step": str(step)})
         write_atomic(out / EXPORTED_CONFIG, dumps(config, indent=2) + "\n")
     except OSError as exc:
         raise PimmError(f"cannot write the export to {out}: {os_error_reason(exc)}; give a writable directory"
                         ) from None
-    size = (out / EXPORTED_WEIGHTS).stat().st_size
-    print(f"exported {weights} (step {step}) to {out}: {EXPORTED_WEIGHTS} ({len(tensors)} tensors, "
+    size = (out / weights_name).stat().st_size
+    print(f"exported {weights} (step {step}) to {out}: {weights_name} ({len(tensors)} tensors, "
           f"{size / 2**20:.3g} MiB) and {EXPORTED_CONFIG}; warm-start a run with `pimm launch --train.weight {out}`")
     return 0

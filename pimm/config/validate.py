@@ -74,6 +74,10 @@ PATTERNS = Rule("a list of fnmatch patterns of parameter names (non-empty string
                 lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) and x.strip() for x in v))
 SPLITS = ("train", "val", "test")
 _DATASET = component("dataset", names.DATASETS)
+_BACKBONE_AS_MODEL = {  # model.type naming a backbone -> what to write instead
+    b: f"{b} is a backbone: model = dict(type='DefaultSegmentorV2', num_classes=..., backbone_out_channels=..., "
+       f"backbone=dict(type='{b}', ...)), as the published configs write it" for b in names.BACKBONES}
+KEY_MAP_PRESETS = ("pointcept", "sonata")  # pretrained.key_map: pimm.checkpoint.weights.KEY_MAP_PRESETS (no torch here)
 _SPLIT = {  # data.<split>.<key>
     "type": one_of(names.DATASETS),
     "path": Rule("a path to a pimm event file (.h5), or for PILArNetDataset a shard or a directory of shards",
@@ -115,7 +119,7 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
     ("eval_every_n_steps", OPTIONAL, optional(integer(1), "validate at epoch ends only")),
     ("log_event_ids", OPTIONAL, BOOL),
     ("model", REQUIRED, component("model", names.MODELS)),
-    ("model.type", REQUIRED, one_of(names.MODELS)),
+    ("model.type", REQUIRED, one_of(names.MODELS, _BACKBONE_AS_MODEL)),
     ("model.num_classes", OPTIONAL, integer(2)),
     ("task", OPTIONAL, optional(component("task", names.TASKS), "SemanticSegmentation with its defaults")),
     ("task.type", REQUIRED, one_of(names.TASKS)),
@@ -174,12 +178,16 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
                                                  and all(isinstance(t, str) for t in v)), "none")),
     ("wandb.system_metrics", OPTIONAL, BOOL),
     ("pretrained", OPTIONAL, optional(DICT, "no pretrained weights")),  # the entries: check_finetune
-    ("pretrained.path", OPTIONAL, optional(Rule("a weights file or directory", lambda v: isinstance(v, str)
-                                                and v.strip() != ""), "only --train.weight")),
-    ("pretrained.key_map", OPTIONAL, Rule("a list of [old_prefix, new_prefix] pairs of strings",
-                                          lambda v: isinstance(v, (list, tuple)) and all(
-                                              isinstance(p, (list, tuple)) and len(p) == 2
-                                              and all(isinstance(x, str) for x in p) for p in v))),
+    ("pretrained.path", OPTIONAL, optional(Rule("a weights file or directory, or hf://owner/name[@revision][/file]",
+                                                lambda v: isinstance(v, str) and v.strip() != ""),
+                                           "only --train.weight")),
+    ("pretrained.key_map", OPTIONAL, Rule(f"a preset ({', '.join(KEY_MAP_PRESETS)}) or a list of [old_prefix, "
+                                          "new_prefix] pairs of strings",
+                                          lambda v: v in KEY_MAP_PRESETS if isinstance(v, str) else (
+                                              isinstance(v, (list, tuple)) and all(
+                                                  isinstance(p, (list, tuple)) and len(p) == 2
+                                                  and all(isinstance(x, str) for x in p) for p in v)),
+                                          KEY_MAP_PRESETS)),
     ("pretrained.strict", OPTIONAL, BOOL),
     ("pretrained.skip", OPTIONAL, PATTERNS),
     ("freeze", OPTIONAL, optional(PATTERNS, "nothing frozen")),
@@ -474,7 +482,7 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
         "num_classes": integer(0, " (0: no head, the backbone's features)"),
         "backbone_out_channels": integer(1, " (the backbone's output width: dec_channels[0], or with enc_mode the "
                                             "sum of enc_channels)"),
-        "backbone": component("backbone", ("PT-v3m2",)),
+        "backbone": component("backbone", names.BACKBONES),
         "criteria": _CRITERIA,
         "freeze_backbone": BOOL,
         "mlp_head": BOOL,
@@ -484,9 +492,10 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
 }
 
 
-_ORDER_NAMES = Rule(f"one of {', '.join(names.SERIALIZATION_ORDERS)} or a list of them",
-                    lambda v: (v in names.SERIALIZATION_ORDERS) if isinstance(v, str) else (
-                        isinstance(v, (list, tuple)) and len(v) > 0 and all(x in names.SERIALIZATION_ORDERS for x in v)))
+_ORDERS = names.SERIALIZATION_ORDERS
+_ORDER_NAMES = Rule(f"one of {', '.join(_ORDERS)} or a list of them",
+                    lambda v: (v in _ORDERS) if isinstance(v, str) else (
+                        isinstance(v, (list, tuple)) and len(v) > 0 and all(x in _ORDERS for x in v)))
 _FRACTION = Rule("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1)
 # PT-v3m2, the published backbone (pimm.models.point_transformer_v3m2): every published constructor argument
 BACKBONE_OPTIONS: dict[str, dict[str, Rule]] = {
@@ -618,21 +627,24 @@ def _range(lo_min: float | None) -> Rule:
 
 
 _AXES = ("x", "y", "z")
+_PROBABILITY = Rule("a probability in [0, 1]", lambda v: _is_number(v) and 0 <= v <= 1)
 # the rules of each argument in names.TRANSFORMS (same names: a test keeps the two tables in step)
 TRANSFORM_ARGUMENTS: dict[str, dict[str, Rule]] = {
-    "RandomRotate": {"axis": one_of(_AXES), "angle": _range(None)},
+    "RandomRotate": {"axis": one_of(_AXES), "angle": _range(None), "p": _PROBABILITY},
     "RandomFlip": {"axes": Rule("a list of axes from x, y, z", lambda v: isinstance(v, (list, tuple))
                                 and all(a in _AXES for a in v)),
-                   "p": Rule("a probability in [0, 1]", lambda v: _is_number(v) and 0 <= v <= 1)},
-    "Jitter": {"sigma": number(0, strict=False)},
+                   "p": _PROBABILITY},
+    "Jitter": {"sigma": number(0, strict=False), "clip": optional(number(0, strict=True), "no cut")},
     "RandomScale": {"scale": _range(0.0)},
-    "GridSample": {"grid_size": number(0, strict=True), "mode": one_of(("first", "sum"))},
+    "GridSample": {"grid_size": number(0, strict=True), "mode": one_of(("first", "sum", "random")),
+                   "return_grid_coord": BOOL},
     "NormalizeCoord": {},
     "LogEnergy": {"scale": optional(number(0, strict=True), "the dataset's energy_scale")},
     "RandomCrop": {"max_points": integer(1)},
+    "CenterShift": {},
 }
 # transforms after which the coordinates (or energies) are not the ones NormalizeCoord (LogEnergy) saw
-_MOVES_COORD = ("RandomRotate", "RandomFlip", "Jitter", "RandomScale")
+_MOVES_COORD = ("RandomRotate", "RandomFlip", "Jitter", "RandomScale", "CenterShift")
 _CHANGES_ENERGY = ("GridSample",)  # with mode="sum"
 
 

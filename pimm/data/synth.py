@@ -478,3 +478,18 @@ def write_pilarnet(
         except OSError as exc:
             raise _cannot_write(shard, exc) from exc
     return written
+
+
+def distinct_voxels(points: int, seed: int, event: int) -> np.ndarray:
+    """`points` distinct integer voxels (points, 3) of generated PILArNet-M-like event `event` of `seed`,
+    drawings of `pilarnet_event` overlaid until there are enough (for benchmarks at a given event size)."""
+    drawn: list[np.ndarray] = []
+    distinct = np.empty((0, 3), np.int64)
+    for drawing in range(1000):
+        drawn.append(pilarnet_event(seed, event * 1000 + drawing, points_per_event=points)["coord"].astype(np.int64))
+        stacked = np.concatenate(drawn)
+        _, first = np.unique(stacked, axis=0, return_index=True)
+        distinct = stacked[np.sort(first)]  # the drawing order, each voxel once
+        if len(distinct) >= points:
+            return distinct[:points]
+    raise DataError(f"the generator gave only {len(distinct)} distinct voxels for {points} asked")

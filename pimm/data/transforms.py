@@ -7,12 +7,15 @@ draws from `np.random.default_rng([seed, epoch, event index, position in the lis
 is transformed identically at any world size, worker count and after a resume.
 
 Coordinates stay in detector units (the models voxelise them); rotations, flips and scaling are
-about the centre of the detector volume. The feature columns (names.FEATURE_COLUMNS) are computed by
-`feature_columns` in the dataset's `features` mode ("pimm" or "published") unless NormalizeCoord
-or LogEnergy set them; they compute the columns from the points as they are at
-their place in the list (the config check refuses a transform after them that would move the
-points or change the energies they used). Points dropped later (GridSample, RandomCrop) drop their
-feature rows too.
+about the centre of the detector volume. `GridSample(return_grid_coord=True)` fixes the
+coordinates the model voxelises at its place in the list, as the published pipeline's
+`GridSample(return_grid_coord=True)` does: the transforms after it move only the points the
+x, y, z feature columns are computed from (`Compose` hands the model the fixed ones). The feature
+columns (names.FEATURE_COLUMNS) are computed by `feature_columns` in the dataset's `features` mode
+("pimm" or "published") unless NormalizeCoord or LogEnergy set them; they compute the columns from
+the points as they are at their place in the list (the config check refuses a transform after
+them that would move the points or change the energies they used). Points dropped later
+(GridSample, RandomCrop) drop their feature rows too.
 
 The names, arguments and defaults are `pimm.names.TRANSFORMS`; the launcher's value checks are
 `pimm.config.validate.check_transforms`, which `build_transforms` runs as well.
@@ -31,7 +34,7 @@ from pimm.data.pilarnet_file import VOLUME_SIZE
 
 Event = dict[str, np.ndarray]
 DEFAULT_FEATURES = names.FEATURE_MODES[0]  # "pimm"; "published": the published PILArNet-M normalisation
-PUBLISHED_ENERGY_RANGE = (0.01, 20.0)  # MeV: features="published" maps log10 of this range onto [-1, 1]
+PUBLISHED_ENERGY_RANGE = (0.01, 20.0)  # MeV: the published LogTransform's min_val, max_val (feature_columns)
 _AXIS = {"x": 0, "y": 1, "z": 2}
 
 
@@ -64,11 +67,14 @@ def _about_centre(event: Event, context: dict, matrix: np.ndarray) -> Event:
 
 
 class RandomRotate(Transform):
-    """Rotate about the axis `axis` through the volume centre by an angle drawn from `angle` (degrees)."""
+    """With probability `p`, rotate about the axis `axis` through the volume centre by an angle drawn
+    from `angle` (degrees)."""
 
     random = True
 
     def __call__(self, event, rng, context):
+        if self.arguments["p"] < 1.0 and rng.random() >= self.arguments["p"]:  # p=1 draws the angle alone
+            return event
         theta = np.deg2rad(rng.uniform(*self.arguments["angle"]))
         cos, sin = np.cos(theta), np.sin(theta)
         a = _AXIS[self.arguments["axis"]]
@@ -93,12 +99,15 @@ class RandomFlip(Transform):
 
 
 class Jitter(Transform):
-    """Add Gaussian noise of standard deviation `sigma` (coordinate units) to every coordinate."""
+    """Add Gaussian noise of standard deviation `sigma` (coordinate units) to every coordinate, cut
+    to [-clip, clip] when `clip` is set."""
 
     random = True
 
     def __call__(self, event, rng, context):
         noise = rng.normal(scale=self.arguments["sigma"], size=event["coord"].shape)
+        if self.arguments["clip"] is not None:
+            noise = np.clip(noise, -self.arguments["clip"], self.arguments["clip"])
         return {**event, "coord": (event["coord"] + noise).astype(np.float32)}
 
 
@@ -113,16 +122,28 @@ class RandomScale(Transform):
 
 class GridSample(Transform):
     """Keep one point per occupied voxel of edge `grid_size`: the voxel's first point in the event's
-    order (its label and coordinates); mode="sum" gives it the voxel's summed energy."""
+    order (its label and coordinates); mode="sum" gives it the voxel's summed energy, mode="random"
+    keeps a point of the voxel drawn at random (the published mode="train"). With
+    `return_grid_coord` the kept coordinates are the ones the model voxelises: later transforms move
+    only the points the x, y, z feature columns come from."""
+
+    random = True  # mode="random" only
 
     def __call__(self, event, rng, context):
         cell = np.floor(event["coord"] / self.arguments["grid_size"]).astype(np.int64)
-        _, first, inverse = np.unique(cell, axis=0, return_index=True, return_inverse=True)
-        order = np.argsort(first, kind="stable")  # kept points in the event's order
-        out = _select(event, first[order])
+        _, first, inverse, counts = np.unique(cell, axis=0, return_index=True, return_inverse=True,
+                                              return_counts=True)
+        kept = first
+        if self.arguments["mode"] == "random":
+            members = np.argsort(inverse.reshape(-1), kind="stable")  # the points of each voxel together
+            kept = members[np.cumsum(counts) - counts + (rng.random(len(counts)) * counts).astype(np.int64)]
+        order = np.argsort(first, kind="stable")  # voxels in the order of their first points
+        out = _select(event, kept[order])
         if self.arguments["mode"] == "sum":
             total = np.bincount(inverse.reshape(-1), weights=event["energy"], minlength=len(first))
             out["energy"] = total[order].astype(event["energy"].dtype)
+        if self.arguments["return_grid_coord"]:
+            out["grid_coord"] = out["coord"].copy()
         return out
 
 
@@ -160,8 +181,20 @@ class RandomCrop(Transform):
         return _select(event, keep)
 
 
+class CenterShift(Transform):
+    """Move the event so that the centre of its bounding box is the volume centre (the published
+    CenterShift puts it at 0 of the centred coordinates, which is the same point)."""
+
+    def __call__(self, event, rng, context):
+        coord = event["coord"].astype(np.float64)
+        if not len(coord):
+            return event
+        shift = context["volume_size"] / 2.0 - (coord.min(axis=0) + coord.max(axis=0)) / 2.0
+        return {**event, "coord": (coord + shift).astype(np.float32)}
+
+
 _CLASSES = {cls.__name__: cls for cls in (RandomRotate, RandomFlip, Jitter, RandomScale, GridSample, NormalizeCoord,
-                                          LogEnergy, RandomCrop)}
+                                          LogEnergy, RandomCrop, CenterShift)}
 assert tuple(_CLASSES) == tuple(names.TRANSFORMS), "pimm.names.TRANSFORMS and the transform classes differ"
 assert {n for n, c in _CLASSES.items() if c.random} == set(names.RANDOM_TRANSFORMS)
 
@@ -182,6 +215,9 @@ class Compose:
             # seeded by the sample and the place in the list alone: the same at any topology
             rng = np.random.default_rng([seed, epoch, index, position]) if transform.random else None
             event = transform(event, rng, context)
+        if "grid_coord" in event:  # GridSample(return_grid_coord): the model sees the fixed coordinates
+            grid = event.pop("grid_coord")
+            event = {**event, "coord": grid, "feature_coord": event["coord"]}
         return event
 
     def __repr__(self) -> str:
@@ -201,11 +237,14 @@ def feature_columns(event: Event, volume_size: float, energy_scale: float, mode:
     """(N, 4) float32 feature columns x, y, z, log_energy (names.FEATURE_COLUMNS) of a transformed event.
 
     mode "pimm": x, y, z scaled to the volume (coord * 2 / volume_size - 1, so [-1, 1]) and
-    log1p(energy / energy_scale). mode "published" (the published PILArNet-M readers): x, y, z in the
-    unit ball around the volume centre, (coord - volume_size / 2) / (volume_size * sqrt(3) / 2), and
-    the energy clipped to [0.01, 20] MeV and mapped by log10 onto [-1, 1]
-    (PUBLISHED_ENERGY_RANGE). NormalizeCoord / LogEnergy, when in the transforms, set their columns."""
-    coord, energy = event["coord"], event["energy"]
+    log1p(energy / energy_scale). mode "published" (the published PILArNet-M recipes' NormalizeCoord
+    and LogTransform): x, y, z in the unit ball around the volume centre,
+    (coord - volume_size / 2) / (volume_size * sqrt(3) / 2), and the energy E (MeV) as
+    2 * (log10(E + lo) - log10(lo)) / (log10(hi + lo) - log10(lo)) - 1 with (lo, hi) =
+    PUBLISHED_ENERGY_RANGE, not clipped: -1 at 0 MeV, 1 at 20 MeV, 1.42 at 100 MeV.
+    x, y, z come from event["feature_coord"] where GridSample(return_grid_coord) left it.
+    NormalizeCoord / LogEnergy, when in the transforms, set their columns."""
+    coord, energy = event.get("feature_coord", event["coord"]), event["energy"]
     feat = np.empty((len(coord), len(names.FEATURE_COLUMNS)), dtype=np.float32)
     published = mode == "published"
     if "feat_coord" in event:
@@ -219,8 +258,8 @@ def feature_columns(event: Event, volume_size: float, energy_scale: float, mode:
         feat[:, 3] = event["feat_energy"]
     elif published:
         low, high = PUBLISHED_ENERGY_RANGE
-        clipped = np.clip(energy.astype(np.float64), low, high)
-        feat[:, 3] = 2.0 * np.log10(clipped / low) / np.log10(high / low) - 1.0
+        decades = np.log10(energy.astype(np.float64) + low) - np.log10(low)
+        feat[:, 3] = 2.0 * decades / (np.log10(high + low) - np.log10(low)) - 1.0
     else:
         feat[:, 3] = np.log1p(energy / energy_scale)  # compresses the Landau tail
     return feat

@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 from pathlib import Path
 
+from pimm.checkpoint.hub import is_hub_path
 from pimm.config import apply_overrides, load_config, parse_overrides, resolve_config_path
 from pimm.config.paths import config_roots
 from pimm.config.validate import check_config
@@ -43,7 +44,7 @@ def prepare_launch(args: argparse.Namespace, scheduled: bool = False) -> LaunchP
         config_name, config_path, cfg, args.nproc_per_node, args.nnodes, run_dir,
         rdzv_endpoint=args.rdzv_endpoint, node_rank=args.node_rank,
         max_restarts=args.max_restarts, overrides=args.overrides,
-        resume=bool(args.resume), weight=str(Path(args.weight).resolve()) if args.weight else None,
+        resume=bool(args.resume), weight=_weight_path(args.weight),
         gpus=getattr(args, "gpus", None), rdzv_id=rdzv_id,
     )
     plan.data = check_data(cfg, plan.batches.global_batch_size)
@@ -146,3 +147,10 @@ def _check_model_fit(cfg: dict, weight: str | None) -> None:
         from pimm.engine.optim import check_parameter_patterns  # deferred: imports torch; these configs only
 
         check_parameter_patterns(cfg)
+
+
+def _weight_path(weight: str | None) -> str | None:
+    """--train.weight as the ranks get it: an absolute path, or an hf:// address as it is."""
+    if not weight:
+        return None
+    return weight if is_hub_path(weight) else str(Path(weight).resolve())

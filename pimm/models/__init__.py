@@ -9,7 +9,6 @@ MODELS = Registry("model")
 MODELS.register(PointSegNet)
 MODELS.register(PointTransformer)
 MODELS.register(DefaultSegmentorV2)
-MODELS.register(PointTransformerV3, name="PT-v3m2")  # a backbone: DefaultSegmentorV2(backbone=...)
 
 
 def build_model(cfg: dict):

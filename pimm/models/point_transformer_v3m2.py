@@ -352,7 +352,8 @@ class Features:
 
 
 class PointTransformerV3(nn.Module):
-    """PT-v3m2 (registered as "PT-v3m2"), the published constructor's arguments and defaults."""
+    """PT-v3m2, the published constructor's arguments and defaults; DefaultSegmentorV2 builds it from
+    backbone=dict(type="PT-v3m2", ...) (names.BACKBONES)."""
 
     def __init__(self, in_channels=6, order=("z", "z-trans"), stride=(2, 2, 2, 2), enc_depths=(2, 2, 2, 6, 2),
                  enc_channels=(32, 64, 128, 256, 512), enc_num_head=(2, 4, 8, 16, 32),
