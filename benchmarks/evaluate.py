@@ -128,8 +128,6 @@ def rank_main(args: argparse.Namespace) -> None:
         result = {"world_size": env.world_size, "events": len(dataset), "seconds": seconds,
                   "quiet_waits_s": [w.seconds for w in gate.waits]}
         args.out.write_text(json.dumps(result) + "\n")
-    # gloo's threads outlive an undestroyed group at interpreter exit: a rank can abort ("terminate
-    # called without an active exception", seen once in CI) after its result was written
     destroy_distributed()
 
 
@@ -137,7 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker is not None:
         rank_main(args)
-        return
+        # leave as pimm's ranks do (pimm.engine.failure): without C++ static destructors, where gloo's
+        # threads of the DDP module still alive abort a rank at interpreter exit ("terminate called without
+        # an active exception", twice in CI under load) after its result was written
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     from pimm.data.synth import write_dataset
 
     ranks = [int(r) for r in args.ranks.split(",")]

@@ -258,3 +258,39 @@ def test_grid_sample_random_keeps_one_point_of_each_voxel_drawn_per_event_and_ep
     assert all(len(k) == 3 and k[0] in (0, 2, 3) and list(k[1:]) == [1, 4] for k in kept)
     assert {int(k[0]) for k in kept} == {0, 2, 3}  # each of the voxel's points is drawn
     assert np.array_equal(compose(dict(ev), 0, 7, 0, CONTEXT)["point_index"], kept[7])  # seeded
+
+
+def test_a_sonata_checkpoint_fine_tuned_with_the_dec_recipe_at_two_ranks_keeps_its_frozen_encoder(tmp_path):
+    """The dec recipe (configs/tests/tiny_published_dec.py: its data, transforms, losses and groups at a small
+    width) from a Sonata pretraining payload ({"state_dict": {"module.student.backbone.*", teacher, heads}},
+    key_map="sonata"), 2 ranks with loader workers: the student's encoder loads, the teacher and heads are
+    left out, the frozen encoder ends bitwise as loaded."""
+    from conftest import attempts, run_pimm, weights
+
+    root = tmp_path / "pil"
+    write_pilarnet(root, 16, seed=41, split="train", revision="v1", points_per_event=600)
+    write_pilarnet(root, 4, seed=42, split="val", revision="v1", points_per_event=600)
+    cfg = load_config(REPO / "configs/tests/tiny_published_dec.py")
+    torch.manual_seed(5)
+    pretrained = build_model({**cfg["model"], "backbone": {**cfg["model"]["backbone"], "enc_mode": True}})
+    encoder = {k: v for k, v in pretrained.state_dict().items() if k.startswith("backbone.")}
+    payload = {f"module.student.{k}": v for k, v in encoder.items()}
+    payload.update({f"module.teacher.{k}": v.clone() + 1.0 for k, v in encoder.items()})
+    payload["module.student.heads.proto.weight"] = torch.zeros(8, 4)
+    checkpoint = tmp_path / "sonata.pth"
+    torch.save({"epoch": 3, "state_dict": payload}, checkpoint)
+
+    res = run_pimm(["launch", "--train.config", "tests/tiny_published_dec", "--resources.nproc-per-node", "2",
+                    "--run.name", "dec", "--run.no-timestamp", "--paths.exp-root", str(tmp_path / "exp"), "--",
+                    f"pretrained.path={checkpoint}", "data.test=null", "max_steps=2", "data.train.min_points=100",
+                    "data.val.min_points=100", *(f"data.{s}.path={root}" for s in ("train", "val"))],
+                   cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_dir = tmp_path / "exp" / "tests" / "dec"
+    attempt = attempts(run_dir)[-1]
+    assert attempt["world_size"] == 2 and attempt["pretrained"]["loaded"] == len(encoder)
+    assert f"loaded {len(encoder)} of" in res.stdout and "left out by key_map='sonata'" in res.stdout
+    final = weights(run_dir)
+    for name, value in encoder.items():  # freeze_encoder=True (dec.py:65): embedding and encoder untouched
+        if name.startswith(("backbone.embedding.", "backbone.enc.")):
+            assert torch.equal(final[name], value), name
