@@ -3,6 +3,7 @@ timings on a shared machine are noise at this size; this only proves `make bench
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -81,3 +82,14 @@ def test_evaluate_benchmark_prints_its_table(tmp_path):
     header, *rows = res.stdout.strip().splitlines()[-3:]
     assert "pimm/hand" in header and "predictions added" in header
     assert [row.split()[0] for row in rows] == ["1", "2"] and all(row.split()[1] == "16" for row in rows)
+
+
+def test_published_parity_benchmark_prints_its_table(tmp_path):
+    """benchmarks/published_parity.py --quick: a 2-stage PT-v3m2 on one generated event (no size asserted)."""
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "published_parity.py"), "--quick"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=180, check=False,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == [
+        "published vs published (other seed)", "pimm vs published", "published: alone vs batched (seed 0)"]
