@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, attempts, launch, launch_args, pimm_in_process, weights
+from conftest import REPO, attempts, launch, launch_args, pimm_in_process, run_pimm, weights
 from safetensors.torch import save_file
 
 from pimm.checkpoint.layout import CheckpointError
@@ -315,7 +315,7 @@ def hf_run(tmp_path, tiny_data, offline_hub) -> tuple[Path, dict]:
     return run_dir, source
 
 
-def test_a_run_warm_starts_from_hf_and_exports_in_the_published_layout(tmp_path, hf_run, capsys):
+def test_a_run_warm_starts_from_hf_and_exports_in_the_published_layout(tmp_path, hf_run, tiny_data, capsys):
     run_dir, source = hf_run
     facts = attempts(run_dir)[-1]["pretrained"]
     assert (facts["source"], facts["key_map"], facts["loaded"]) == ("hf://physics/tiny", "pointcept", 24)
@@ -339,3 +339,8 @@ def test_a_run_warm_starts_from_hf_and_exports_in_the_published_layout(tmp_path,
     # and back into pimm by name
     for given in (out, out / "model.pth"):
         assert_loaded_exactly(check_pretrained_fits(given, config["model"], {"key_map": "pointcept"}), trained)
+    # pimm predict takes the published-layout export as it takes pimm's
+    res = run_pimm(["predict", "--weights", str(out), "--data", str(tiny_data["val"]), "--out",
+                    str(tmp_path / "p.h5")], cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (tmp_path / "p.h5").is_file()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pimm.checkpoint.choose import default_checkpoint, recorded_weights
 from pimm.checkpoint.layout import sha256_file
-from pimm.checkpoint.weights import EXPORTED_CONFIG, EXPORTED_WEIGHTS, check_weights_fit
+from pimm.checkpoint.weights import EXPORTED_CONFIG, EXPORTED_WEIGHTS, PUBLISHED_WEIGHTS, check_weights_fit
 from pimm.config import read_run_config
 from pimm.data.dataset import UNCHECKED_CLASSES
 from pimm.data.event_format import validate_event_file
@@ -58,7 +58,9 @@ def _model_source(args: PredictRequest) -> dict:
         return {"model": cfg["model"], "num_classes": num_classes, "weights": weights, "step": step,
                 "class_names": list(data.get("names") or [str(i) for i in range(num_classes)]),
                 "checkpoint": which, "reader": reader, "run_dir": given}
-    if (given / EXPORTED_CONFIG).is_file() and (given / EXPORTED_WEIGHTS).is_file():
+    # an export in pimm's layout (model.safetensors) or the published one (model.pth: {"state_dict": module.*})
+    exported = next((given / f for f in (EXPORTED_WEIGHTS, PUBLISHED_WEIGHTS) if (given / f).is_file()), None)
+    if (given / EXPORTED_CONFIG).is_file() and exported is not None:
         if args.checkpoint is not None:
             raise PimmError(f"--checkpoint {args.checkpoint} picks a checkpoint of a run directory; the export "
                             f"{given} holds one set of weights: leave --checkpoint out")
@@ -69,12 +71,13 @@ def _model_source(args: PredictRequest) -> dict:
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise PimmError(f"--weights {given}: {EXPORTED_CONFIG} is unreadable ({exc}); export the run again with "
                             "`pimm export --run-dir RUN NEW_DIR`") from exc
-        return {"model": model, "num_classes": num_classes, "weights": given / EXPORTED_WEIGHTS, "run_dir": None,
+        return {"model": model, "num_classes": num_classes, "weights": exported, "run_dir": None,
                 "step": config.get("step"), "checkpoint": f"export:{config.get('checkpoint')}",
                 "reader": config.get("preprocessing") or {},
                 "class_names": list(config.get("class_names") or [str(i) for i in range(num_classes)])}
     what = ("does not exist" if not given.exists() else "is a file: a weights file carries no model config"
-            if given.is_file() else f"holds neither config.py (a run) nor {EXPORTED_CONFIG} + {EXPORTED_WEIGHTS}")
+            if given.is_file() else f"holds neither config.py (a run) nor {EXPORTED_CONFIG} + {EXPORTED_WEIGHTS} "
+            f"(or {PUBLISHED_WEIGHTS}: --layout published)")
     raise PimmError(f"--weights {given} {what}; give a run directory (config.py and model/) or a directory "
                     "written by `pimm export --run-dir RUN DIR`")
 
