@@ -101,9 +101,10 @@ _SPLIT = {  # data.<split>.<key>
     "pid_unlabelled_as_none": BOOL,
     "remove_low_energy_scatters": BOOL,
     "min_points_after_cut": BOOL,
+    "instances": BOOL,  # per-point particle / interaction / pid / momentum / vertex targets
 }
 _PILARNET_ONLY = ("split", "revision", "label", "min_points", "energy_threshold", "volume_size",
-                  "pid_unlabelled_as_none", "remove_low_energy_scatters", "min_points_after_cut")
+                  "pid_unlabelled_as_none", "remove_low_energy_scatters", "min_points_after_cut", "instances")
 REQUIRED, OPTIONAL = True, False
 
 # (dotted key, required, rule), parents before children. A nested key is looked at only when its

@@ -7,6 +7,9 @@ from typing import Any
 import torch
 
 _POINT_KEYS = ("coord", "feat", "segment")
+# per-point instance targets (pimm.data.dataset.TARGET_KEYS), collated when every event of the batch has them;
+# instance ids stay dense per event (0..K-1): an event's instances are told apart with `offset`
+_TARGET_KEYS = ("particle", "interaction", "pid", "momentum", "vertex")
 
 
 def collate_events(batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -14,7 +17,8 @@ def collate_events(batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     offset (B,) int64 with offset[i] = end row of event i (offset[-1] == sumN) and event_id (B,)."""
     if not batch:
         raise ValueError("collate_events got an empty batch; a batch needs at least one event")
-    out: dict[str, torch.Tensor] = {key: torch.cat([event[key] for event in batch]) for key in _POINT_KEYS}
+    keys = [*_POINT_KEYS, *(k for k in _TARGET_KEYS if all(k in event for event in batch))]
+    out: dict[str, torch.Tensor] = {key: torch.cat([event[key] for event in batch]) for key in keys}
     counts = torch.tensor([len(event["coord"]) for event in batch], dtype=torch.int64)
     out["offset"] = torch.cumsum(counts, dim=0)
     out["event_id"] = torch.tensor([int(event["event_id"]) for event in batch], dtype=torch.int64)
@@ -34,7 +38,7 @@ def split_events(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, t
     out = []
     for i in range(parts):
         events = slice(i * size, (i + 1) * size)
-        micro = {key: batch[key][rows[i] : rows[i + 1]] for key in _POINT_KEYS}
+        micro = {key: batch[key][rows[i] : rows[i + 1]] for key in (*_POINT_KEYS, *_TARGET_KEYS) if key in batch}
         micro["offset"] = offset[events] - rows[i]
         micro["event_id"] = batch["event_id"][events]
         out.append(micro)

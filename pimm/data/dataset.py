@@ -22,6 +22,7 @@ from pimm.data.pilarnet_file import (
     DEFAULT_LABEL,
     DEFAULT_REVISION,
     DEFAULT_SPLIT,
+    EXTRA_COLUMNS,
     IGNORE_LABEL,
     LABEL_NAMES,
     MIN_POINTS_AFTER_CUT,
@@ -29,6 +30,8 @@ from pimm.data.pilarnet_file import (
     PID_UNLABELLED_AS_NONE,
     VOLUME_SIZE,
     event_arrays,
+    extra_arrays,
+    instance_targets,
     kept_points,
     open_pilarnet,
     point_labels,
@@ -42,6 +45,9 @@ __all__ = ["DATASETS", "LArTPCDataset", "PILArNetDataset", "build_dataset"]
 DATASETS = Registry("dataset")
 # open_pilarnet's label range with labels=False: any class number passes (-1 is "no label" in the format)
 UNCHECKED_CLASSES = 2**62
+# per-point instance targets of PILArNetDataset(instances=True) (pilarnet_file.instance_targets): int64 ids and
+# classes, float32 momentum, (N, 3) float32 vertex; they follow the points through transforms and collation
+TARGET_KEYS = ("particle", "interaction", "pid", "momentum", "vertex")
 log = logging.getLogger("pimm")
 
 
@@ -219,7 +225,7 @@ class LArTPCDataset(Dataset):
     def _transformed(self, epoch: int, index: int) -> dict[str, np.ndarray]:
         """Event `index` after this dataset's transforms at `epoch` (arrays of pimm.data.transforms)."""
         raw = self.read_raw(index)
-        event = {key: raw[key] for key in ("coord", "energy", "segment", "point_index")}
+        event = {key: raw[key] for key in ("coord", "energy", "segment", "point_index", *TARGET_KEYS) if key in raw}
         context = {"volume_size": float(self.volume_size), "energy_scale": self.energy_scale}
         return self.transforms(event, self.seed, epoch, index, context)
 
@@ -247,18 +253,20 @@ class LArTPCDataset(Dataset):
             coord, segment = event["coord"], event["segment"]
             feat = feature_columns(event, float(self.volume_size), self.energy_scale, self.features)
         else:
-            raw = self.read_raw(index)
-            coord, energy, segment = raw["coord"], raw["energy"], raw["segment"]
+            event = self.read_raw(index)
+            coord, energy, segment = event["coord"], event["energy"], event["segment"]
             if self.augment:
                 coord, energy, segment = self._augment(coord, energy, segment, epoch, index)
             feat = feature_columns({"coord": coord, "energy": energy}, self.volume_size, self.energy_scale,
                                    self.features)
-        return {
+        item = {
             "coord": torch.from_numpy(np.ascontiguousarray(coord, dtype=np.float32)),
             "feat": torch.from_numpy(feat),
             "segment": torch.from_numpy(segment.astype(np.int64)),
             "event_id": index,
         }
+        item.update({key: torch.from_numpy(np.ascontiguousarray(event[key])) for key in TARGET_KEYS if key in event})
+        return item
 
     def __repr__(self) -> str:
         return (f"LArTPCDataset({self.path!r}, events={len(self)}, augment={self.augment}, "
@@ -282,7 +290,10 @@ class PILArNetDataset(LArTPCDataset):
     coordinates fill (768 voxels in PILArNet-M). pid -1 (the low-energy deposits of PILArNet-M
     v2/v3) is class 5 "none", as in the published readers; `pid_unlabelled_as_none=False` keeps it
     -1 (no label, ignored). With `labels=False` (prediction) segment is -1 everywhere and the
-    labels are not checked. Shards are opened lazily, one handle per shard
+    labels are not checked. With `instances=True` each event also gives the instance targets of its
+    points (TARGET_KEYS, pilarnet_file.instance_targets): particle and interaction (dense ids per event,
+    -1 for stuff), and in v2/v3 pid, momentum and vertex; transforms carry them (a vertex moves with the
+    coordinates the model sees). Shards are opened lazily, one handle per shard
     and process, never across a fork.
     """
 
@@ -306,8 +317,13 @@ class PILArNetDataset(LArTPCDataset):
         transforms: list[dict] | None = None,
         min_points_after_cut: bool = MIN_POINTS_AFTER_CUT,
         features: str = DEFAULT_FEATURES,
+        instances: bool = False,
     ) -> None:
         _check_options(seed, max_len, energy_scale=energy_scale, volume_size=volume_size)
+        if instances and augment:
+            raise ConfigError("instances=True with augment=True: the built-in augmentation does not carry the "
+                              "instance targets; augment with transforms=[...] instead (they do)")
+        self.instances = bool(instances) and bool(labels)
         self.features = _feature_mode(features)
         self.transforms = _transforms(transforms, augment)
         self.labels = bool(labels)
@@ -335,7 +351,7 @@ class PILArNetDataset(LArTPCDataset):
         self._reset_handle()
 
     def _reset_handle(self) -> None:
-        self._files: dict[int, tuple[h5py.File, h5py.Dataset, h5py.Dataset]] = {}
+        self._files: dict[int, tuple[h5py.File, h5py.Dataset, h5py.Dataset, h5py.Dataset | None]] = {}
         self._pid: int | None = None
 
     def __len__(self) -> int:
@@ -349,12 +365,12 @@ class PILArNetDataset(LArTPCDataset):
     def close(self) -> None:
         """Close this process's shard handles (they are reopened on the next access)."""
         if self._pid == os.getpid():
-            for f, _, _ in self._files.values():
+            for f, *_ in self._files.values():
                 f.close()
         self._reset_handle()
 
-    def _open_shard(self, shard: int) -> tuple[h5py.Dataset, h5py.Dataset]:
-        """This process's (point, cluster) datasets of one shard, opening it on first use."""
+    def _open_shard(self, shard: int) -> tuple[h5py.Dataset, h5py.Dataset, h5py.Dataset | None]:
+        """This process's (point, cluster, cluster_extra or None) datasets of one shard, opening it on first use."""
         if self._pid != os.getpid():
             self._reset_handle()  # handles inherited through fork share HDF5 state with the parent
             self._pid = os.getpid()
@@ -362,7 +378,8 @@ class PILArNetDataset(LArTPCDataset):
             path = self.shards[shard]
             try:
                 f = open_read(path)
-                self._files[shard] = (f, f["point"], f["cluster"])
+                extra = f["cluster_extra"] if self.revision in EXTRA_COLUMNS and "cluster_extra" in f else None
+                self._files[shard] = (f, f["point"], f["cluster"], extra)
             except H5_ERRORS as exc:
                 raise DataError(f"PILArNet file {path}: cannot be reopened ({exc}); was it changed after "
                                 "indexing?") from exc
@@ -371,12 +388,14 @@ class PILArNetDataset(LArTPCDataset):
     def read_raw(self, index: int) -> dict[str, np.ndarray]:
         """Event `index` of the selection: point (N,8) and cluster (K,5|6) as stored, and the points
         that survive the cut: coord (M,3) float32, energy (M,) float32, segment (M,) int64 (the
-        chosen label per point), point_index (M,) int64 (their rows in `point`)."""
+        chosen label per point), point_index (M,) int64 (their rows in `point`); with instances=True also
+        the instance targets of those points (TARGET_KEYS)."""
         shard, row = int(self.event_shard[index]), int(self.event_row[index])
-        point_ds, cluster_ds = self._open_shard(shard)
+        point_ds, cluster_ds, extra_ds = self._open_shard(shard)
         path = Path(self.shards[shard])
         try:
             point_row, cluster_row = point_ds[row], cluster_ds[row]
+            extra_row = extra_ds[row] if self.instances and extra_ds is not None else None
         except H5_ERRORS as exc:
             raise DataError(f"PILArNet file {path}: event {row} is unreadable: {exc}") from exc
         point, cluster = event_arrays(path, row, point_row, cluster_row, self.revision)
@@ -385,7 +404,12 @@ class PILArNetDataset(LArTPCDataset):
             segment[segment == IGNORE_LABEL] = PID_NAMES.index("none")
         keep = kept_points(point, cluster, self.cut)
         kept = point if keep is None else point[keep]
+        targets = {}
+        if self.instances:
+            extra = None if extra_row is None else extra_arrays(path, row, extra_row, self.revision, len(cluster))
+            targets = instance_targets(cluster, extra, keep, self.pid_unlabelled_as_none)
         return {
+            **targets,
             "point_index": np.arange(len(point), dtype=np.int64) if keep is None else np.flatnonzero(keep),
             "point": point,
             "cluster": cluster,

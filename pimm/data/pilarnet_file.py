@@ -4,9 +4,10 @@ Layout, as DeepLearnPhysics/PILArNet-M publishes it: shards `<root>/*<split>/*.h
 one row per event in the variable-length datasets `point` (N*8 values per row: x, y, z, deposited
 energy, then 4 more columns) and `cluster` (K*5 values in revision v1: size, fragment, group,
 interaction, semantic; K*6 in v2/v3: size, cluster_id, group_id, interaction_id, semantic, pid),
-and in v2/v3 `cluster_extra` (not read for training: K*5 values in v2, K*6 in v3, which is how
-`detect_revision` tells them apart). Points are stored cluster by cluster, so a point's labels are
-its cluster's, repeated `size` times. Label -1 means "no label"; the first cluster holds the event's
+and in v2/v3 `cluster_extra` (K*5 values in v2, K*6 in v3, which is how `detect_revision` tells
+them apart: mass, momentum, vertex x, y, z[, is_primary]; read for instance targets only). Points
+are stored cluster by cluster, so a point's labels are its cluster's, repeated `size` times.
+Label -1 means "no label"; the first cluster holds the event's
 low-energy scatters (semantic 4, pid -1, which the published v2/v3 readers map to pid class 5
 "none": `pid_unlabelled_as_none`, on by default).
 
@@ -169,6 +170,53 @@ def kept_points(points: np.ndarray, clusters: np.ndarray, cut: tuple[float, bool
 def _kept_count(points: np.ndarray, clusters: np.ndarray, cut: tuple[float, bool]) -> int:
     keep = kept_points(points, clusters, cut)
     return len(points) if keep is None else int(keep.sum())
+
+
+INSTANCE_COLUMNS = {"particle": 2, "interaction": 3}  # group id, interaction id of a cluster row (every revision)
+EXTRA_MOMENTUM, EXTRA_VERTEX = 1, slice(2, 5)  # cluster_extra columns (v2/v3)
+
+
+def dense_instances(ids: np.ndarray) -> np.ndarray:
+    """Per-point instance ids -> 0..K-1 in the order of the ids (int64), -1 where an id is negative
+    (stuff: the low-energy deposits, points of no particle or interaction)."""
+    out = np.full(len(ids), -1, np.int64)
+    thing = ids >= 0
+    out[thing] = np.unique(ids[thing], return_inverse=True)[1].reshape(-1)
+    return out
+
+
+def instance_targets(clusters: np.ndarray, extra: np.ndarray | None, keep: np.ndarray | None,
+                     pid_unlabelled_as_none: bool) -> dict[str, np.ndarray]:
+    """The per-point instance targets of one event's kept points (`keep`: kept_points' mask, None: all):
+    particle and interaction (dense_instances of the group and interaction ids among the kept points),
+    pid (v2/v3: the cluster's pid, -1 as PID class "none" when `pid_unlabelled_as_none`), and with
+    cluster_extra (v2/v3) momentum (MeV, the cluster's) and vertex (x, y, z, the cluster's)."""
+    sizes = clusters[:, SIZE_COLUMN]
+
+    def per_point(values: np.ndarray) -> np.ndarray:
+        repeated = np.repeat(values, sizes, axis=0)
+        return repeated if keep is None else repeated[keep]
+
+    out = {name: dense_instances(per_point(clusters[:, col])) for name, col in INSTANCE_COLUMNS.items()}
+    if clusters.shape[1] > LABEL_COLUMNS["pid"]:
+        pid = per_point(clusters[:, LABEL_COLUMNS["pid"]])
+        if pid_unlabelled_as_none:
+            pid = np.where(pid == IGNORE_LABEL, PID_NAMES.index("none"), pid)
+        out["pid"] = pid.astype(np.int64)
+    if extra is not None:
+        out["momentum"] = per_point(extra[:, EXTRA_MOMENTUM]).astype(np.float32)
+        out["vertex"] = per_point(extra[:, EXTRA_VERTEX]).astype(np.float32)
+    return out
+
+
+def extra_arrays(path: Path, row: int, extra_row: np.ndarray, revision: str, clusters: int) -> np.ndarray:
+    """One event's cluster_extra row -> (K, 5|6) float32, one row per cluster; DataError otherwise."""
+    columns = EXTRA_COLUMNS[revision]
+    if extra_row.size != clusters * columns:
+        raise _fail(path, f"event {row}: its 'cluster_extra' row has {extra_row.size} values for {clusters} "
+                    f"clusters; revision {revision} has {columns} per cluster",
+                    "set data.<split>.revision to the files' revision")
+    return extra_row.reshape(clusters, columns).astype(np.float32)
 
 
 def point_labels(clusters: np.ndarray, label: str) -> np.ndarray:

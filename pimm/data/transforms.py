@@ -62,8 +62,16 @@ def _select(event: Event, keep: np.ndarray) -> Event:
 
 def _about_centre(event: Event, context: dict, matrix: np.ndarray) -> Event:
     centre = context["volume_size"] / 2.0
-    coord = (event["coord"].astype(np.float64) - centre) @ matrix.T + centre
-    return {**event, "coord": coord.astype(np.float32)}
+    moved = {key: ((event[key].astype(np.float64) - centre) @ matrix.T + centre).astype(np.float32)
+             for key in _moving(event)}
+    return {**event, **moved}
+
+
+def _moving(event: Event) -> tuple[str, ...]:
+    """What moves with the points: coord, and an instance target vertex (PILArNetDataset instances=True)
+    while it is in the frame the model sees (after GridSample's return_grid_coord the model voxelises
+    grid_coord, which stays)."""
+    return ("coord", "vertex") if "vertex" in event and "grid_coord" not in event else ("coord",)
 
 
 class RandomRotate(Transform):
@@ -190,7 +198,7 @@ class CenterShift(Transform):
         if not len(coord):
             return event
         shift = context["volume_size"] / 2.0 - (coord.min(axis=0) + coord.max(axis=0)) / 2.0
-        return {**event, "coord": (coord + shift).astype(np.float32)}
+        return {**event, **{key: (event[key].astype(np.float64) + shift).astype(np.float32) for key in _moving(event)}}
 
 
 _CLASSES = {cls.__name__: cls for cls in (RandomRotate, RandomFlip, Jitter, RandomScale, GridSample, NormalizeCoord,
