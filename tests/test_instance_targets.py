@@ -79,3 +79,21 @@ def test_dense_instances_and_refusals(tmp_path):
     write_pilarnet(tmp_path, 2, seed=SEED, revision="v1", split="train", points_per_event=200)
     with pytest.raises(ConfigError, match="instances=True with augment=True"):
         PILArNetDataset(tmp_path, revision="v1", instances=True, augment=True)
+
+
+def test_generated_images_hold_several_interactions_and_the_rain():
+    """pimm's PILArNet-M events: 1 to 3 interactions, each with its vertex and several particles from it,
+    plus particles from no common vertex (interaction -1); momentum sqrt(T^2 + 2Tm) of each particle."""
+    counts, rain = [], 0
+    for index in range(12):
+        e = pilarnet_event(SEED, index, "v2")
+        cluster, extra = e["cluster"], e["cluster_extra"]
+        interactions = sorted({int(i) for i in cluster[:, 3] if i >= 0})
+        counts.append(len(interactions))
+        rain += int(((cluster[:, 3] == -1) & (cluster[:, 2] >= 0)).sum())
+        for j in interactions:
+            members = cluster[:, 3] == j
+            assert len(np.unique(extra[members, 2:5], axis=0)) == 1  # one vertex per interaction
+        assert (extra[:, 1] >= 0).all()
+    assert max(counts) >= 2 and rain > 0
+    assert e["interaction"].shape == e["segment"].shape

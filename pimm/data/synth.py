@@ -38,10 +38,14 @@ VOXELS = int(VOLUME_SIZE)  # the PILArNet-M layout's voxel cube: 768 per side
 PILARNET_SPREAD = 1.0  # voxels: the Gaussian offsets of a densified event's point copies
 _MAX_COPIES = 32
 _PID_MASS_MEV = (0.0, 0.511, 105.66, 139.57, 938.27)  # photon, electron, muon, pion, proton
+_INTERACTION_STREAM = 7919  # generate_event(..., interaction=j > 0) draws from [seed, index, this + j]
+MAX_INTERACTIONS = 3  # pilarnet_event: 1 to this many interactions per image
 
 GENERATOR = "pimm.data.synth"  # the `generator` attribute of every file written here
 GENERATOR_VERSION = 1
-PILARNET_GENERATOR_VERSION = 2  # 2: integer voxels in a 768 cube, cluster ids -1 for blips, shower fragments
+# 2: integer voxels in a 768 cube, cluster ids -1 for blips, shower fragments; 3: several interactions per
+# image, the rain as interaction -1, momentum from each particle's kinetic energy, vertex the interaction's
+PILARNET_GENERATOR_VERSION = 3
 
 _UNIT_CM = 0.3  # one coordinate unit is a ~3 mm voxel pitch
 _MIP_DEDX = 2.1  # MeV/cm deposited by a minimum-ionising particle in liquid argon
@@ -231,15 +235,23 @@ def _blips(rng: np.random.Generator, activity: np.ndarray) -> tuple[np.ndarray, 
 # ----------------------------------------------------------------------------- events
 
 
-def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
+def generate_event(seed: int, index: int, interaction: int = 0) -> dict[str, np.ndarray]:
     """Event `index` of the synthetic data set `seed`: coord (N,3) float32, energy (N,) float32,
     segment (N,) uint8, and per point the object it belongs to, instance (N,) int32 (tracks,
     Michels, deltas and showers in drawing order, the low-energy blips last), and that object's
     particle type, pid (N,) int8 (pilarnet_file.PID_NAMES; -1 for blips, as in PILArNet-M), and the
     fragment of its object, fragment (N,) int8 (a shower's trunk 0 and sub-cascades 1, 2; 0 elsewhere).
-    A pure function of (seed, index) (both non-negative integers)."""
-    rng = np.random.default_rng([seed, index])
+    Also per point whether its object comes from the event's interaction vertex, primary (N,) bool
+    (tracks and showers starting there, and the Michels and deltas of those tracks; the others cross
+    the volume from anywhere: the "rain"), and the object's origin (N,3) float32 (the vertex for
+    primaries, its own start for the rain; blips: the vertex), and vertex (3,) float32.
+    A pure function of (seed, index, interaction) (non-negative integers); `interaction` > 0 draws
+    another interaction of the same event (pilarnet_event puts several in one image), interaction 0
+    is the event pimm's event files hold."""
+    stream = [seed, index] if interaction == 0 else [seed, index, _INTERACTION_STREAM + interaction]
+    rng = np.random.default_rng(stream)
     parts: list[tuple] = []  # (points, energies, semantic, pid, fragment: 0 or one per point) per object
+    origins: list[tuple[bool, np.ndarray]] = []  # (primary, origin) per object, as parts
 
     vertex = rng.uniform(40.0, DETECTOR_SIZE - 40.0, size=3)  # neutrino-like interaction vertex
     n_tracks = int(rng.integers(1, 4))
@@ -250,26 +262,32 @@ def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
         direction = _random_dirs(rng, 1)[0]
         pts, energy, stops = _track(rng, start, direction, proton)
         parts.append((pts, energy, TRACK, PROTON if proton else MUON, 0))
+        origins.append((from_vertex, start))
         if not proton and stops and rng.random() < 0.6:
             end_dir = _random_dirs(rng, 1)[0]
             kinks = int(rng.integers(1, 4))
             m_pts, m_e = _electron(rng, pts[-1], end_dir, rng.uniform(10.0, 35.0), 0.8, 0.05, kinks, _MIP_DEDX)
             parts.append((m_pts, m_e, MICHEL, ELECTRON, 0))
+            origins.append((from_vertex, start))
         for _ in range(int(rng.integers(0, 4))):
             at = int(rng.integers(int(0.1 * len(pts)), max(int(0.85 * len(pts)), int(0.1 * len(pts)) + 1)))
             local = _unit(pts[min(at + 3, len(pts) - 1)] - pts[max(at - 3, 0)])
             d_dir = _tilt(rng, local[None], np.array([rng.uniform(0.8, 1.5)]))[0]
             d_pts, d_e = _electron(rng, pts[at], d_dir, rng.uniform(3.0, 12.0), 0.7, 0.15, 0, 0.6 * _MIP_DEDX)
             parts.append((d_pts, d_e, DELTA, ELECTRON, 0))
+            origins.append((from_vertex, start))
 
     for _ in range(int(rng.choice(3, p=[0.15, 0.45, 0.4]))):
-        origin = vertex if rng.random() < 0.5 else rng.uniform(20.0, DETECTOR_SIZE - 20.0, size=3)
+        at_vertex = rng.random() < 0.5
+        origin = vertex if at_vertex else rng.uniform(20.0, DETECTOR_SIZE - 20.0, size=3)
         s_pts, s_e, photon, s_fragment = _shower(rng, origin, _random_dirs(rng, 1)[0])
         parts.append((s_pts, s_e, SHOWER, PHOTON if photon else ELECTRON, s_fragment))
+        origins.append((at_vertex, origin))
 
     activity = np.concatenate([p for p, *_ in parts])
     b_pts, b_e = _blips(rng, activity)
     parts.append((b_pts, b_e, LOW_ENERGY, NO_PID, 0))
+    origins.append((False, vertex))
 
     coord = np.concatenate([p for p, *_ in parts]).astype(np.float32)
     energy = np.concatenate([e for _, e, *_ in parts]).astype(np.float32)
@@ -277,6 +295,9 @@ def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
     instance = np.concatenate([np.full(len(p), i, dtype=np.int32) for i, (p, *_) in enumerate(parts)])
     pid = np.concatenate([np.full(len(p), kind, dtype=np.int8) for p, _, _, kind, _ in parts])
     fragment = np.concatenate([np.broadcast_to(np.asarray(f, np.int8), len(p)) for p, *_, f in parts])
+    primary = np.concatenate([np.full(len(p), first, bool) for (p, *_), (first, _) in zip(parts, origins)])
+    origin = np.concatenate([np.broadcast_to(np.asarray(o, np.float32), (len(p), 3))
+                             for (p, *_), (_, o) in zip(parts, origins)])
     # test containment after the float32 cast: 255.99999999 would round onto the face
     keep = np.all((coord >= 0.0) & (coord < DETECTOR_SIZE), axis=1)
     # real images come in voxel order, not object by object: do not leak labels through order
@@ -288,6 +309,9 @@ def generate_event(seed: int, index: int) -> dict[str, np.ndarray]:
         "instance": instance[keep][order],
         "pid": pid[keep][order],
         "fragment": fragment[keep][order],
+        "primary": primary[keep][order],
+        "origin": np.ascontiguousarray(origin[keep][order]),
+        "vertex": vertex.astype(np.float32),
     }
 
 
@@ -358,7 +382,7 @@ def _voxelised(e: dict[str, np.ndarray], seed: int, index: int, points_per_event
     sparse event). One point per voxel and object fragment: the first one's energy and labels."""
     coord = e["coord"].astype(np.float64) * (VOXELS / DETECTOR_SIZE)
     n = len(coord)
-    arrays = {k: e[k] for k in ("energy", "segment", "pid", "instance", "fragment")}
+    arrays = {k: e[k] for k in ("energy", "segment", "pid", "instance", "fragment", "interaction") if k in e}
     if points_per_event is not None and n:
         rng = np.random.default_rng([seed, index, 768])  # its own stream: the objects stay as drawn
         noise = rng.normal(scale=PILARNET_SPREAD, size=(_MAX_COPIES * n, 3))
@@ -389,25 +413,54 @@ def _voxel_keys(coord: np.ndarray, fragment_ids: np.ndarray) -> np.ndarray:
     return ((fragment_ids * VOXELS + v[:, 0]) * VOXELS + v[:, 1]) * VOXELS + v[:, 2]
 
 
+def _interactions(seed: int, index: int) -> dict[str, np.ndarray]:
+    """Event `index` of `seed` as one image of 1 to MAX_INTERACTIONS interactions (generate_event's
+    interaction 0, 1, ...), each with its vertex, its particles and its rain, overlaid in one volume:
+    the per-point arrays concatenated with instance ids made unique across interactions, interaction
+    (N,) int64 (the interaction's number for its primaries, -1 for the rain and the blips), and per
+    object (indexed by instance) its kinetic energy (MeV: its deposited energy), origin (3,) and pid."""
+    count = int(np.random.default_rng([seed, index, _INTERACTION_STREAM]).integers(1, MAX_INTERACTIONS + 1))
+    subs = [generate_event(seed, index, j) for j in range(count)]
+    offsets = np.cumsum([0] + [int(sub["instance"].max()) + 1 if len(sub["instance"]) else 0 for sub in subs])
+    instance = np.concatenate([sub["instance"].astype(np.int64) + offsets[j] for j, sub in enumerate(subs)])
+    e = {k: np.concatenate([sub[k] for sub in subs]) for k in ("coord", "energy", "segment", "pid", "fragment")}
+    e["instance"] = instance.astype(np.int32)
+    e["interaction"] = np.concatenate([np.where(sub["primary"] & (sub["segment"] != LOW_ENERGY), j, -1)
+                                       for j, sub in enumerate(subs)]).astype(np.int64)
+    objects = int(offsets[-1])
+    e["object_energy"] = np.bincount(instance, weights=e["energy"], minlength=objects)
+    e["object_origin"] = np.zeros((objects, 3), np.float64)
+    e["object_origin"][instance] = np.concatenate([sub["origin"] for sub in subs])
+    e["object_pid"] = np.full(objects, NO_PID, np.int64)
+    e["object_pid"][instance] = e["pid"]
+    return e
+
+
 def pilarnet_event(seed: int, index: int, revision: str = "v2", points_per_event: int | None = None
                    ) -> dict[str, np.ndarray]:
     """Event `index` of `seed` as PILArNet-M stores it: point (N, 8) float32 (integer voxel x, y, z in
     a VOXELS cube, energy, drift time, electrons, dx, 0) and cluster (K, 5|6) int64 rows, points
     stored cluster by cluster: the low-energy blips first (cluster and group id -1, as in PILArNet-M),
     then one cluster per object fragment in drawing order (a shower's trunk and sub-cascades are
-    fragments with their own cluster ids under one group id); v2/v3 also cluster_extra (K, 5|6)
-    float32: mass (MeV, by pid), momentum (a stand-in: the cluster's energy, MeV), the group's first
-    voxel as vertex x, y, z, and in v3 is_primary (1 for tracks and showers). Also coord, energy,
-    segment (uint8) and pid (int8) in stored order. `points_per_event`: about that many points
-    (`_voxelised`); None: one per generated point (~550)."""
+    fragments with their own cluster ids under one group id). An image holds 1 to MAX_INTERACTIONS
+    interactions (`_interactions`): the interaction id of a cluster is its interaction's number for
+    the particles from that interaction's vertex, -1 for the rain (particles from no common vertex)
+    and the blips. v2/v3 also cluster_extra (K, 5|6) float32: mass (MeV, by pid), momentum (MeV/c,
+    of the cluster's particle: sqrt(T^2 + 2 T m) with T its deposited energy), vertex x, y, z (the
+    interaction's vertex for its particles, the particle's own start for the rain, in voxels; 0 for
+    blips), and in v3 is_primary (1 for tracks and showers). Also coord, energy, segment (uint8), pid
+    (int8) and interaction (int64) in stored order. `points_per_event`: about that many points
+    (`_voxelised`); None: one per generated point."""
     if revision not in CLUSTER_COLUMNS:
         raise DataError(f"revision {revision!r} is unknown; use one of {', '.join(CLUSTER_COLUMNS)}")
-    e = _voxelised(generate_event(seed, index), seed, index, points_per_event)
+    composed = _interactions(seed, index)
+    e = _voxelised(composed, seed, index, points_per_event)
     blip = e["segment"] == LOW_ENERGY
     rank = np.where(blip, -1, _fragment_ids(e))
     order = np.argsort(rank, kind="stable")
     _, first, sizes = np.unique(rank[order], return_index=True, return_counts=True)
-    coord, energy, segment, pid, instance = (e[k][order] for k in ("coord", "energy", "segment", "pid", "instance"))
+    coord, energy, segment, pid, instance, interaction = (
+        e[k][order] for k in ("coord", "energy", "segment", "pid", "instance", "interaction"))
     point = np.zeros((len(coord), POINT_COLUMNS), np.float32)
     point[:, :3], point[:, 3] = coord, energy
     point[:, 4] = coord[:, 0] * 0.5  # drift time, ~0.5 us per voxel
@@ -417,18 +470,20 @@ def pilarnet_event(seed: int, index: int, revision: str = "v2", points_per_event
     cluster_id = np.where(blip_cluster, -1, np.cumsum(~blip_cluster) - 1)
     # objects numbered 0.. in drawing order (the blips, drawn last, have the highest instance)
     group_id = np.where(blip_cluster, -1, np.unique(instance[first], return_inverse=True)[1])
-    interaction = np.where(blip_cluster, -1, 0)
+    cluster_interaction = np.where(blip_cluster, -1, interaction[first])
     # v1 [size, fragment, group, interaction, semantic]; v2/v3 [size, cluster_id, group_id, interaction_id,
     # semantic, pid]
-    columns = [sizes, cluster_id, group_id, interaction, segment[first]]
-    out = {"coord": coord, "energy": energy, "segment": segment, "pid": pid}
+    columns = [sizes, cluster_id, group_id, cluster_interaction, segment[first]]
+    out = {"coord": coord, "energy": energy, "segment": segment, "pid": pid, "interaction": interaction}
     if CLUSTER_COLUMNS[revision] == 6:
         columns.append(pid[first])
         extra = np.zeros((len(sizes), EXTRA_COLUMNS[revision]), np.float32)
-        extra[:, 0] = np.where(pid[first] >= 0, np.asarray(_PID_MASS_MEV)[np.maximum(pid[first], 0)], 0.0)
-        extra[:, 1] = np.add.reduceat(energy, first) if len(first) else 0.0
-        groups, group_cluster = np.unique(group_id, return_index=True)  # each group's first cluster
-        vertex = coord[first[group_cluster[np.searchsorted(groups, group_id)]]]
+        objects = instance[first].astype(np.int64)
+        mass = np.where(pid[first] >= 0, np.asarray(_PID_MASS_MEV)[np.maximum(pid[first], 0)], 0.0)
+        kinetic = composed["object_energy"][objects]
+        extra[:, 0] = mass
+        extra[:, 1] = np.where(blip_cluster, 0.0, np.sqrt(kinetic**2 + 2.0 * kinetic * mass))
+        vertex = composed["object_origin"][objects] * (VOXELS / DETECTOR_SIZE)
         extra[:, 2:5] = np.where(blip_cluster[:, None], 0.0, vertex)
         if revision == "v3":
             extra[:, 5] = np.isin(segment[first], (TRACK, SHOWER)) & ~blip_cluster
