@@ -344,3 +344,29 @@ def test_a_run_warm_starts_from_hf_and_exports_in_the_published_layout(tmp_path,
                     str(tmp_path / "p.h5")], cwd=REPO)
     assert res.returncode == 0, res.stdout + res.stderr
     assert (tmp_path / "p.h5").is_file()
+
+
+def test_sharded_safetensors_load_as_one_state_dict(tmp_path):
+    """Hugging Face's sharded weights (model.safetensors.index.json + model-0000N-of-0000M.safetensors):
+    the directory loads by name; a missing shard or a name no shard holds is refused saying so."""
+    from pimm.checkpoint.weights import load_weight_file
+
+    source = state_of(TINY_MODEL, seed=3)
+    names = sorted(source)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, keys in halves.items():
+        save_file({k: source[k].contiguous() for k in keys}, tmp_path / shard)
+    index = {"metadata": {}, "weight_map": {k: shard for shard, keys in halves.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text("{}")
+    loaded = load_weight_file(tmp_path)
+    assert loaded.keys() == source.keys() and all(torch.equal(loaded[k], source[k]) for k in source)
+    assert_loaded_exactly(check_pretrained_fits(tmp_path, TINY_MODEL), source)
+    index["weight_map"]["extra.weight"] = "model-00002-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="promises 1 tensor"):
+        load_weight_file(tmp_path)
+    (tmp_path / "model-00001-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="names the shard 'model-00001-of-00002.safetensors'"):
+        load_weight_file(tmp_path)

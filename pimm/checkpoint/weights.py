@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import json
 import os
 import pickle
 import re
@@ -25,6 +26,7 @@ from pimm.models import build_model
 _SHOWN = 3  # mismatched keys named per kind in a message
 EXPORTED_WEIGHTS = "model.safetensors"  # a `pimm export` directory: these weights and config.json
 EXPORTED_CONFIG = "config.json"
+SHARDED_INDEX = "model.safetensors.index.json"  # Hugging Face's sharded weights: {"weight_map": {name: shard file}}
 PUBLISHED_WEIGHTS = "model.pth"  # `pimm export --layout published`: {"state_dict": {"module." + name: tensor}}
 
 
@@ -72,6 +74,8 @@ def resolve_weight_path(path: str | Path, download: bool = True) -> Path:
     if path.is_dir():
         if (path / EXPORTED_WEIGHTS).is_file():
             return path / EXPORTED_WEIGHTS
+        if (path / SHARDED_INDEX).is_file():
+            return path / SHARDED_INDEX
         # a checkpoint, or a run's model/ directory (its model_best.pth is not picked in silence)
         is_checkpoint = any((path / name).exists() for name in (WEIGHTS, TRAINER, COMPLETE, LAST))
         if not is_checkpoint and ((path / EXPORTED_CONFIG).is_file() or any(path.glob("*.pth"))):
@@ -172,11 +176,35 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         ) from exc
 
 
+def _read_sharded(index: Path) -> dict[str, torch.Tensor]:
+    """The tensors of Hugging Face's sharded safetensors: every shard `index`'s weight_map names, each
+    a file beside it, merged; CheckpointError for an unreadable index, a shard that is missing or
+    outside the directory, or a name the index promises that its shard lacks."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"cannot read {index}: not a safetensors index with a weight_map ({exc})") from exc
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        if not isinstance(shard, str) or Path(shard).name != shard or not (index.parent / shard).is_file():
+            raise CheckpointError(f"{index} names the shard {shard!r}, which is not a file beside it; download the "
+                                  "whole snapshot (every model-*.safetensors) into one directory")
+        state.update(_read_safetensors(index.parent / shard))
+    missing = sorted(set(weight_map) - set(state))
+    if missing:
+        raise CheckpointError(f"{index} promises {len(missing)} tensor(s) its shards do not hold (first: "
+                              f"{missing[0]!r}); download the snapshot again")
+    return state
+
+
 def _read_state_dict(path: Path, mmap: bool = False) -> dict[str, torch.Tensor]:
     """torch.load a file that must hold a state_dict (str -> tensor) at its top level or under
     'state_dict' / 'model' (_unwrap), or read a .safetensors file; CheckpointError otherwise."""
     if path.suffix == ".safetensors":
         return _read_safetensors(path)
+    if path.name.endswith(".safetensors.index.json"):
+        return _read_sharded(path)
     try:
         with warnings.catch_warnings():  # torch warns about pickle protocols of files it then refuses
             warnings.simplefilter("ignore")
