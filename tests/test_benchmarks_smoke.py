@@ -93,3 +93,16 @@ def test_published_parity_benchmark_prints_its_table(tmp_path):
     rows = [line for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert [r.split("|")[1].strip() for r in rows[1:]] == [
         "published vs published (other seed)", "pimm vs published", "published: alone vs batched (seed 0)"]
+
+
+def test_panoptic_benchmark_prints_the_dbscan_baseline(tmp_path):
+    """benchmarks/panoptic.py on a few generated events: one row per radius (no score asserted)."""
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "panoptic.py"), "--events", "4",
+                          "--points-per-event", "500", "--eps", "2,6", "--out", str(tmp_path / "p.json")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| DBSCAN")]
+    assert [r.split("|")[1].strip() for r in rows] == ["DBSCAN eps 2, true semantics", "DBSCAN eps 6, true semantics"]
+    result = json.loads((tmp_path / "p.json").read_text())["dbscan_true"]
+    assert set(result) == {"2.0", "6.0"} and 0.0 <= result["6.0"]["purity"] <= 1.0

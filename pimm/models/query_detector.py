@@ -1,0 +1,325 @@
+"""A query detector for panoptic segmentation on the per-point features of any pimm backbone.
+
+Q learned queries per event read the points of their own event through L decoder layers. Each layer
+first predicts, from the queries it receives, one mask logit per (query, point) as the dot product of a
+query embedding and a point embedding; that prediction, detached, becomes the additive attention bias
+log(sigmoid(z) + 1e-6) of the layer's cross-attention (a soft mask: a point the query rejects is
+weighted down, never cut off, so no query can lose every point). Then the queries attend to the
+points, to each other, and pass an FFN (pre-norm). The class logits (num_classes + 1, the last is
+no-object) come from the queries the layer puts out.
+
+Published: DeepLearnPhysics/pimm pimm/models/panda_detector/detector_v1m1.py (decoder, blocks, queries)
+and detector_v1m2_momentum.py (momentum head); the defaults are configs/panda/panseg/
+detector-v1m1-pt-v3m2-ft-pid-dec.py. Parameter names follow the published decoder's (query_feat,
+query_embed, pos_emb, blocks.i.{norm1,norm2,norm3,norm_kv,cross_attn,self_attn,mlp,mask_mlp},
+final_norm, cls_pred, full_point_proj), so published decoder weights map by prefix.
+What pimm does differently: events are padded to one batch instead of flash-attn varlen (the same
+arithmetic); no stuff head (the published pid recipe filters "stuff" points with a point classifier
+before the decoder); the vertex head is pimm's (nothing is published for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# detector_v1m1.py:659 attn_mask_eps=1e-6
+ATTENTION_MASK_EPS = 1e-6
+# bias of padded (absent) points: exp(-1e4) is 0 in float32 and bfloat16, and it stays finite
+PADDING_BIAS = -1e4
+
+
+@dataclass
+class LayerPrediction:
+    """One decoder layer's predictions for one event's Q queries."""
+
+    class_logits: torch.Tensor  # (Q, num_classes + 1), the last is no-object
+    mask_logits: torch.Tensor  # (Q, N_event)
+    momentum: torch.Tensor | None = None  # (Q,)
+    vertex: torch.Tensor | None = None  # (Q, 3)
+
+
+@dataclass
+class EventPrediction:
+    """The last layer's predictions (`final`) and those of every earlier layer (`aux`, first to last)."""
+
+    final: LayerPrediction
+    aux: list[LayerPrediction]
+
+    @property
+    def layers(self) -> list[LayerPrediction]:
+        return [*self.aux, self.final]
+
+
+class MLP(nn.Module):
+    """Linear -> GELU -> Linear."""
+
+    def __init__(self, in_channels: int, hidden_channels: int, out_channels: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_channels, hidden_channels)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_channels, out_channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def multi_head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """(B, Lq, C) x (B, Lk, C) -> (B, Lq, C); bias (B, Lq, Lk) is added to every head's scores."""
+    batch, length_q, channels = q.shape
+
+    def heads(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(batch, t.shape[1], num_heads, channels // num_heads).transpose(1, 2)
+
+    bias = bias.unsqueeze(1).to(q.dtype) if bias is not None else None
+    out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=bias)
+    return out.transpose(1, 2).reshape(batch, length_q, channels)
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, channels: int, num_heads: int, qkv_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_proj = nn.Linear(channels, channels, bias=qkv_bias)
+        self.k_proj = nn.Linear(channels, channels, bias=qkv_bias)
+        self.v_proj = nn.Linear(channels, channels, bias=qkv_bias)
+        self.proj = nn.Linear(channels, channels)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        out = multi_head_attention(self.q_proj(q), self.k_proj(k), self.v_proj(v), self.num_heads, bias)
+        return self.proj(out)
+
+
+class SelfAttention(nn.Module):
+    """Attention among one event's queries; the positional part enters queries and keys, not values."""
+
+    def __init__(self, channels: int, num_heads: int, qkv_bias: bool) -> None:
+        super().__init__()
+        self.channels, self.num_heads = channels, num_heads
+        self.q = nn.Linear(channels, channels, bias=qkv_bias)
+        self.kv = nn.Linear(channels, 2 * channels, bias=qkv_bias)  # published layout: keys, then values
+        self.proj = nn.Linear(channels, channels)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        k_weight, v_weight = self.kv.weight.split(self.channels)
+        k_bias, v_bias = self.kv.bias.split(self.channels) if self.kv.bias is not None else (None, None)
+        k = F.linear(x + pos, k_weight, k_bias)
+        v = F.linear(x, v_weight, v_bias)
+        return self.proj(multi_head_attention(self.q(x + pos), k, v, self.num_heads, None))
+
+
+class DecoderLayer(nn.Module):
+    """Mask prediction, masked cross-attention to the points, self-attention among queries, FFN (pre-norm)."""
+
+    def __init__(self, channels: int, num_heads: int, mlp_ratio: float, qkv_bias: bool) -> None:
+        super().__init__()
+        self.norm_kv = nn.LayerNorm(channels)
+        self.mask_mlp = MLP(channels, channels, channels)
+        self.norm1 = nn.LayerNorm(channels)
+        self.cross_attn = CrossAttention(channels, num_heads, qkv_bias)
+        self.norm2 = nn.LayerNorm(channels)
+        self.self_attn = SelfAttention(channels, num_heads, qkv_bias)
+        self.norm3 = nn.LayerNorm(channels)
+        self.mlp = MLP(channels, int(channels * mlp_ratio), channels)
+
+    def forward(self, q: torch.Tensor, q_pos: torch.Tensor, points: torch.Tensor, point_pos: torch.Tensor,
+                padding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, q_pos (B, Q, C); points, point_pos (B, P, C); padding (B, P) True where no point
+        -> (updated queries (B, Q, C), mask logits of the incoming queries (B, Q, P))."""
+        points = self.norm_kv(points)
+        mask_logits = torch.einsum("bqc,bpc->bqp", self.mask_mlp(q), points)
+        # detached as published (detector_v1m1.py:447): the mask loss, not the attention, trains mask_mlp
+        bias = torch.log(mask_logits.detach().sigmoid() + ATTENTION_MASK_EPS)
+        bias = bias.masked_fill(padding.unsqueeze(1), PADDING_BIAS)
+        q_norm = self.norm1(q)
+        q = q + self.cross_attn(q_norm + q_pos, points + point_pos, points, bias)
+        q = q + self.self_attn(self.norm2(q), q_pos)
+        q = q + self.mlp(self.norm3(q))
+        return q, mask_logits
+
+
+class QueryDetector(nn.Module):
+    """Per-point features of a batch -> per event, the class and mask logits of Q queries at every layer.
+
+    Defaults are the published particle (pid) detector's; the interaction (vtx) recipe uses
+    num_queries=12, num_classes=2, mlp_point_proj=False (detector-v1m1-pt-v3m2-ft-vtx-dec.py:28,32).
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        num_classes: int,
+        num_queries: int = 32,  # detector-v1m1-pt-v3m2-ft-pid-dec.py:34
+        hidden_channels: int = 256,  # pid-dec.py:68
+        num_heads: int = 16,  # pid-dec.py:69
+        depth: int = 3,  # pid-dec.py:70
+        mlp_ratio: float = 4.0,  # pid-dec.py:71
+        qkv_bias: bool = True,  # pid-dec.py:72
+        point_position: bool = True,  # pid-dec.py:82 pos_emb=True: an MLP of each point's coordinates
+        mlp_point_proj: bool = True,  # pid-dec.py:67: MLPs (not Linears) for the point projection and classes
+        momentum_head: bool = False,  # detector_v1m2_momentum.py:26 MomentumRegressor
+        vertex_head: bool = False,  # pimm's: nothing published
+    ) -> None:
+        super().__init__()
+        if hidden_channels % num_heads:
+            raise ValueError(f"hidden_channels={hidden_channels} is not a multiple of num_heads={num_heads}; "
+                             "choose num_heads that divides it")
+        if num_queries < 1 or depth < 1:
+            raise ValueError(f"num_queries={num_queries} and depth={depth} must both be at least 1")
+        self.num_classes = num_classes
+        self.query_feat = nn.Embedding(num_queries, hidden_channels)
+        self.query_embed = nn.Embedding(num_queries, hidden_channels)  # the queries' learned positional part
+        self.pos_emb = MLP(3, hidden_channels, hidden_channels) if point_position else None
+        self.full_point_proj = (MLP(in_channels, hidden_channels, hidden_channels) if mlp_point_proj
+                                else nn.Linear(in_channels, hidden_channels))
+        self.blocks = nn.ModuleList(DecoderLayer(hidden_channels, num_heads, mlp_ratio, qkv_bias)
+                                    for _ in range(depth))
+        self.final_norm = nn.LayerNorm(hidden_channels)
+        self.cls_pred = (MLP(hidden_channels, hidden_channels, num_classes + 1) if mlp_point_proj
+                         else nn.Linear(hidden_channels, num_classes + 1))
+        # the published regressor reads the query and its class logits (no-object left out)
+        self.momentum_head = MLP(hidden_channels + num_classes, hidden_channels, 1) if momentum_head else None
+        self.vertex_head = MLP(hidden_channels, hidden_channels, 3) if vertex_head else None
+        self.apply(_init_linear)
+
+    def forward(self, feat: torch.Tensor, offset: torch.Tensor,
+                coord: torch.Tensor | None = None) -> list[EventPrediction]:
+        """feat (N, in_channels), offset (B,) cumulative point counts, coord (N, 3) (needed with
+        point_position) -> one EventPrediction per event, its mask logits over that event's points only."""
+        if self.pos_emb is not None and coord is None:
+            raise ValueError("QueryDetector(point_position=True) needs coord (N, 3): pass the points' "
+                             "coordinates, or build it with point_position=False")
+        counts = torch.diff(offset, prepend=offset.new_zeros(1)).tolist()
+        if len(feat) != sum(counts) or min(counts) < 1:
+            raise ValueError(f"offset {offset.tolist()} does not split {len(feat)} points into events of at "
+                             "least one point; offset is the cumulative point count per event")
+        points = _pad_events(self.full_point_proj(feat), counts)
+        point_pos = _pad_events(self.pos_emb(coord.to(feat.dtype)), counts) if self.pos_emb is not None \
+            else torch.zeros_like(points)
+        padding = torch.arange(points.shape[1], device=feat.device) >= torch.tensor(
+            counts, device=feat.device).unsqueeze(1)
+        batch = len(counts)
+        q = self.query_feat.weight.unsqueeze(0).expand(batch, -1, -1)
+        q_pos = self.query_embed.weight.unsqueeze(0).expand(batch, -1, -1)
+        layers = []
+        for block in self.blocks:
+            q, mask_logits = block(q, q_pos, points, point_pos, padding)
+            layers.append(self._heads(q, mask_logits))
+        return [EventPrediction(final=self._event(layers[-1], b, size),
+                                aux=[self._event(layer, b, size) for layer in layers[:-1]])
+                for b, size in enumerate(counts)]
+
+    def _heads(self, q: torch.Tensor, mask_logits: torch.Tensor) -> LayerPrediction:
+        q = self.final_norm(q)
+        class_logits = self.cls_pred(q)
+        momentum = (self.momentum_head(torch.cat([q, class_logits[..., :-1]], -1)).squeeze(-1)
+                    if self.momentum_head is not None else None)
+        vertex = self.vertex_head(q) if self.vertex_head is not None else None
+        return LayerPrediction(class_logits, mask_logits, momentum, vertex)
+
+    @staticmethod
+    def _event(layer: LayerPrediction, b: int, num_points: int) -> LayerPrediction:
+        return LayerPrediction(
+            class_logits=layer.class_logits[b],
+            mask_logits=layer.mask_logits[b, :, :num_points],
+            momentum=layer.momentum[b] if layer.momentum is not None else None,
+            vertex=layer.vertex[b] if layer.vertex is not None else None,
+        )
+
+
+def _init_linear(module: nn.Module) -> None:
+    # detector_v1m1.py:693-698: truncated normal (std 0.02) weights, zero biases
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+def _pad_events(values: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """(N, C) packed by event -> (B, max count, C), zeros after each event's points."""
+    return nn.utils.rnn.pad_sequence(list(values.split(counts)), batch_first=True)
+
+
+@dataclass
+class EventInstances:
+    """Post-processed predictions of one event."""
+
+    instance: torch.Tensor  # (N,) long, 0..K-1 by decreasing score, -1 where no instance
+    point_class: torch.Tensor  # (N,) long, the instance's class, -1 where no instance
+    score: torch.Tensor  # (N,) float, the instance's score, 0 where no instance
+    query: torch.Tensor  # (K,) long, the query each instance comes from
+    instance_score: torch.Tensor  # (K,) float
+    instance_class: torch.Tensor  # (K,) long
+
+
+@torch.no_grad()
+def instances_from_queries(
+    class_logits: torch.Tensor,
+    mask_logits: torch.Tensor,
+    score_threshold: float = 0.5,  # detector_v1m1.py:1070 conf_threshold
+    mask_threshold: float = 0.5,  # detector_v1m1.py:1069 (and pid-dec.py:241)
+    min_points: int = 2,  # detector_v1m1.py:1075
+    nms_sigma: float = 2.0,  # detector_v1m1.py:1072, gaussian matrix NMS
+    stuff_classes: tuple[int, ...] = (),
+) -> EventInstances:
+    """One event's queries (class_logits (Q, K+1), mask_logits (Q, N)) -> per point instance, class, score.
+
+    As the published postprocess.py does it: a query is a candidate when its most probable class is
+    neither no-object nor a stuff class, that probability is >= score_threshold, and its mask
+    (sigmoid > mask_threshold) has >= min_points points. Its score is the class probability times the
+    mean mask probability over its mask, decayed by gaussian matrix NMS against higher-scored masks of
+    the same class; scores below score_threshold are dropped. In decreasing score each instance takes
+    the points of its mask that no better instance took, if at least min_points remain.
+    """
+    num_classes = class_logits.shape[1] - 1
+    num_points = mask_logits.shape[1]
+    mask_prob = mask_logits.float().sigmoid()
+    masks = mask_prob > mask_threshold
+    class_prob, label = class_logits.float().softmax(-1).max(-1)
+    candidate = (label != num_classes) & (class_prob >= score_threshold) & (masks.sum(1) >= min_points)
+    for stuff in stuff_classes:
+        candidate &= label != stuff
+    query = candidate.nonzero().squeeze(1)
+    masks, label = masks[query], label[query]
+    mask_score = (mask_prob[query] * masks).sum(1) / masks.sum(1).clamp(min=1)
+    score = _matrix_nms(masks, label, class_prob[query] * mask_score, nms_sigma)
+    order = torch.argsort(score, descending=True, stable=True)
+    order = order[score[order] >= score_threshold]
+
+    instance = torch.full((num_points,), -1, dtype=torch.long, device=mask_logits.device)
+    point_class = torch.full_like(instance, -1)
+    point_score = torch.zeros(num_points, device=mask_logits.device)
+    kept = []
+    for i in order.tolist():
+        free = masks[i] & (instance < 0)
+        if int(free.sum()) < min_points:
+            continue
+        instance[free] = len(kept)
+        point_class[free] = label[i]
+        point_score[free] = score[i]
+        kept.append(i)
+    kept = torch.tensor(kept, dtype=torch.long, device=mask_logits.device)
+    return EventInstances(instance, point_class, point_score, query[kept], score[kept], label[kept])
+
+
+def _matrix_nms(masks: torch.Tensor, label: torch.Tensor, score: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Gaussian matrix NMS (SOLOv2): each mask's score decays with its IoU to higher-scored masks of its
+    class, compensated by how much those masks were themselves suppressed. Returns the decayed scores."""
+    if len(score) == 0:
+        return score
+    order = torch.argsort(score, descending=True, stable=True)
+    m = masks[order].float()
+    inter = m @ m.T
+    area = m.sum(1)
+    iou = inter / (area[:, None] + area[None, :] - inter).clamp(min=1e-6)
+    # iou[i, j] for i scored above j, same class only
+    iou = (iou * (label[order][:, None] == label[order][None, :])).triu(diagonal=1)
+    worst_overlap_of_higher = iou.max(0).values  # how suppressed each mask i is itself
+    decay = torch.exp(-sigma * iou**2) / torch.exp(-sigma * worst_overlap_of_higher[:, None] ** 2)
+    decayed = torch.empty_like(score)
+    decayed[order] = score[order] * decay.min(0).values
+    return decayed

@@ -1,0 +1,141 @@
+"""The query detector, its Hungarian matching and losses, and its post-processing, on small CPU cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pimm.models.query_detector import EventPrediction, LayerPrediction, QueryDetector, instances_from_queries
+from pimm.tasks.panoptic_loss import DetectorLossWeights, detector_loss, event_targets, hungarian_match
+
+NUM_CLASSES = 3
+EVENT_SIZES = (7, 12, 9)
+
+
+def small_detector(**options) -> QueryDetector:
+    torch.manual_seed(0)
+    return QueryDetector(in_channels=5, num_classes=NUM_CLASSES, num_queries=6, hidden_channels=32, num_heads=4,
+                         depth=3, **options)
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    """Features, coordinates, offset and per-event targets (instances, -1 stuff, momentum, vertex)."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(EVENT_SIZES)
+    feat, coord = torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g)
+    offset = torch.tensor(EVENT_SIZES).cumsum(0)
+    targets = []
+    for size in EVENT_SIZES:
+        instance = torch.randint(-1, 3, (size,), generator=g)
+        point_class = torch.randint(0, NUM_CLASSES, (size,), generator=g)
+        targets.append(event_targets(instance, point_class, torch.rand(size, generator=g),
+                                     torch.rand(size, 3, generator=g)))
+    return feat, coord, offset, targets
+
+
+def test_events_never_mix():
+    model = small_detector(momentum_head=True).eval()
+    feat, coord, offset, _ = batch()
+    together = model(feat, offset, coord)
+    start = 0
+    for b, size in enumerate(EVENT_SIZES):
+        alone = model(feat[start:start + size], torch.tensor([size]), coord[start:start + size])[0]
+        for layer_alone, layer_together in zip(alone.layers, together[b].layers):
+            assert layer_together.mask_logits.shape == (6, size)
+            torch.testing.assert_close(layer_alone.mask_logits, layer_together.mask_logits)
+            torch.testing.assert_close(layer_alone.class_logits, layer_together.class_logits)
+            torch.testing.assert_close(layer_alone.momentum, layer_together.momentum)
+        start += size
+
+
+def test_permuted_queries_give_the_same_loss():
+    model = small_detector(momentum_head=True, vertex_head=True)
+    feat, coord, offset, targets = batch()
+    loss, _ = detector_loss(model(feat, offset, coord), targets, generator=torch.Generator().manual_seed(3))
+    permutation = torch.tensor([4, 2, 0, 5, 1, 3])
+    with torch.no_grad():
+        model.query_feat.weight.copy_(model.query_feat.weight[permutation])
+        model.query_embed.weight.copy_(model.query_embed.weight[permutation])
+    permuted = model(feat, offset, coord)
+    permuted_loss, _ = detector_loss(permuted, targets, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(permuted_loss, loss)
+
+
+def test_obvious_matching_and_near_zero_mask_loss():
+    instance = torch.tensor([0, 0, 0, 1, 1, -1])
+    targets = event_targets(instance, torch.tensor([2, 2, 2, 0, 0, 1]))
+    assert targets.instance_class.tolist() == [2, 0]
+    # query 0 draws target 1's mask, query 2 target 0's; query 1 says no-object
+    mask_logits = torch.full((3, 6), -12.0)
+    mask_logits[0, 3:5] = 12.0
+    mask_logits[2, :3] = 12.0
+    class_logits = torch.full((3, NUM_CLASSES + 1), -12.0)
+    class_logits[0, 0] = class_logits[1, NUM_CLASSES] = class_logits[2, 2] = 12.0
+    labelled = instance >= 0
+    query, target = hungarian_match(class_logits, mask_logits[:, labelled], targets.instance_class,
+                                    targets.masks[:, labelled])
+    assert (query.tolist(), target.tolist()) == ([2, 0], [0, 1])
+
+    prediction = EventPrediction(final=LayerPrediction(class_logits, mask_logits), aux=[])
+    _, terms = detector_loss([prediction], [targets])
+    assert terms["focal"] < 1e-6 and terms["dice"] < 1e-4 and terms["class"] < 1e-4
+
+
+def test_matching_subsample_is_deterministic_given_the_generator():
+    g = torch.Generator().manual_seed(0)
+    mask_logits, class_logits = torch.randn(8, 50, generator=g), torch.randn(8, NUM_CLASSES + 1, generator=g)
+    masks = torch.randint(0, 4, (50,), generator=g).unsqueeze(0) == torch.arange(4).unsqueeze(1)
+    weights = DetectorLossWeights(match_points=10)
+    runs = [hungarian_match(class_logits, mask_logits, torch.tensor([0, 1, 2, 0]), masks, weights,
+                            torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert [t.tolist() for t in runs[0]] == [t.tolist() for t in runs[1]]
+    assert len(runs[0][0]) == 4
+
+
+def test_gradients_reach_every_parameter():
+    model = small_detector(momentum_head=True, vertex_head=True)
+    feat, coord, offset, targets = batch()
+    loss, terms = detector_loss(model(feat, offset, coord), targets)
+    loss.backward()
+    assert {"momentum", "vertex", "aux0_dice", "aux1_focal"} <= set(terms)
+    missing = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []
+
+
+def test_event_targets_dense_ids_majority_class_and_means():
+    targets = event_targets(torch.tensor([7, 7, 7, -1, 3, 3]), torch.tensor([1, 2, 1, 0, 0, 0]),
+                            momentum=torch.tensor([1.0, 2.0, 3.0, 9.0, 5.0, 7.0]))
+    assert targets.instance.tolist() == [1, 1, 1, -1, 0, 0]
+    assert targets.instance_class.tolist() == [0, 1]
+    assert targets.momentum.tolist() == [6.0, 2.0]
+
+
+def test_post_processing_hand_made_event():
+    big = 12.0
+    mask_logits = torch.full((4, 8), -big)
+    mask_logits[0, 0:4] = big  # class 0, the best score
+    mask_logits[1, 3:6] = big  # class 1, overlaps query 0 at point 3: keeps points 4, 5
+    mask_logits[1, 3] = 1.0  # and is less sure of point 3, so it scores lower than query 0
+    mask_logits[3, [0, 1, 2, 3, 6, 7]] = big  # class 0 again, IoU 2/3 with query 0: matrix NMS drops it,
+    class_logits = torch.full((4, NUM_CLASSES + 1), -big)  # else it would take points 6 and 7
+    class_logits[0, 0] = class_logits[1, 1] = big
+    class_logits[3, 0] = 0.0  # less sure than query 0
+    class_logits[2, NUM_CLASSES] = big  # no-object
+    result = instances_from_queries(class_logits, mask_logits)
+    assert result.instance.tolist() == [0, 0, 0, 0, 1, 1, -1, -1]
+    assert result.point_class.tolist() == [0, 0, 0, 0, 1, 1, -1, -1]
+    assert result.query.tolist() == [0, 1] and result.instance_class.tolist() == [0, 1]
+    assert result.score[0] > result.score[4] > 0.5 and result.score[6] == 0
+    without_nms = instances_from_queries(class_logits, mask_logits, nms_sigma=0.0)
+    assert without_nms.instance.tolist() == [0, 0, 0, 0, 2, 2, 1, 1]
+
+
+def test_wrong_inputs_say_what_to_do():
+    model = small_detector()
+    feat, coord, offset, targets = batch()
+    with pytest.raises(ValueError, match="needs coord"):
+        model(feat, offset)
+    with pytest.raises(ValueError, match="cumulative point count"):
+        model(feat, torch.tensor([3, 100]), coord)
+    with pytest.raises(ValueError, match="one EventTargets per event"):
+        detector_loss(model(feat, offset, coord), targets[:2])
