@@ -330,3 +330,21 @@ def test_published_criteria_become_the_tasks_loss_terms():
     cfg["model"]["criteria"][0]["weight"] = [1.0, 2.0, 1.0, 1.0, 1.0]
     with pytest.raises(ConfigError, match=r"model.criteria\[0\].weight=.* set task.class_weights instead"):
         build_task(cfg)
+
+
+def test_the_backbone_alone_takes_the_published_input_dict():
+    """PT-v3m2 called as the published backbone is (model.backbone(data_dict)): .feat per point, the
+    features the segmentor's head reads."""
+    model = tiny().eval()
+    coord, feat, offset = events([50, 80])
+    grid = torch.floor(coord).long()
+    with pytest.raises(ValueError, match="grid_coord must be >= 0"):
+        model({"grid_coord": grid - 1000, "feat": feat, "offset": offset})
+    data = {"grid_coord": grid - grid.min(0).values, "feat": feat, "offset": offset}
+    with torch.no_grad():
+        torch.manual_seed(0)
+        point = model.backbone(data)
+        torch.manual_seed(0)
+        logits = model(data)["seg_logits"]
+    assert point.feat.shape == (len(coord), 16)
+    torch.testing.assert_close(model.seg_head(point.feat), logits, rtol=0, atol=0)

@@ -341,6 +341,26 @@ class Embedding(nn.Module):
         return x
 
 
+def published_level(data: Mapping) -> Level:
+    """Level 0 of the published input dict, as the published Point builds it: grid_coord as given (or
+    coord and grid_size: (coord - min) // grid_size over the batch), events from offset (or batch)."""
+    feat = data["feat"]
+    if "offset" in data:
+        batch = offset_to_batch_index(torch.as_tensor(data["offset"], device=feat.device), len(feat))
+    else:
+        batch = torch.as_tensor(data["batch"], device=feat.device).long()
+    if "grid_coord" in data:
+        grid = torch.as_tensor(data["grid_coord"], device=feat.device).long()
+    else:
+        coord = data["coord"]
+        grid = torch.div(coord - coord.min(0)[0], data["grid_size"], rounding_mode="trunc").long()
+    if len(grid) and int(grid.min()) < 0:
+        raise ValueError(f"grid_coord must be >= 0, got a minimum of {int(grid.min())}: the published GridSample "
+                         "subtracts each event's smallest cell (grid_coord - grid_coord.min(0))")
+    num_events = int(batch.max()) + 1 if len(batch) else 1
+    return Level(grid, batch, num_events, published=True)
+
+
 @dataclass
 class Features:
     """What the backbone returns: the last stage's voxel features, its level, and every encoder
@@ -460,6 +480,12 @@ class PointTransformerV3(nn.Module):
             return step_key(self.shuffle_seed, self.training_forwards)
         return step_key(self.shuffle_seed, self.step)
 
+    def forward(self, data: Mapping) -> Features:
+        """The published backbone call on the published input dict (published draws included): the last
+        stage's features (`.feat`: per point with the decoder, per coarsest voxel with enc_mode), every
+        level and encoder output."""
+        return self.forward_levels(data["feat"], published_level(data), None, data.get("mask"))
+
     def forward_levels(self, feat: torch.Tensor, level: Level, event_id: torch.Tensor | None = None,
                        mask: torch.Tensor | None = None) -> Features:
         """Run the network on level 0 (`feat` one row per voxel of `level`)."""
@@ -552,17 +578,4 @@ class DefaultSegmentorV2(nn.Module):
 
     def _forward_published(self, data: Mapping) -> torch.Tensor:
         """The published input dict: grid_coord (or coord and grid_size), feat, offset (or batch)."""
-        feat = data["feat"]
-        if "offset" in data:
-            batch = offset_to_batch_index(torch.as_tensor(data["offset"], device=feat.device), len(feat))
-        else:
-            batch = torch.as_tensor(data["batch"], device=feat.device).long()
-        if "grid_coord" in data:
-            grid = torch.as_tensor(data["grid_coord"], device=feat.device).long()
-        else:
-            coord = data["coord"]
-            grid = torch.div(coord - coord.min(0)[0], data["grid_size"], rounding_mode="trunc").long()
-        num_events = int(batch.max()) + 1 if len(batch) else 1
-        level = Level(grid, batch, num_events, published=True)
-        result = self.backbone.forward_levels(feat, level, None, data.get("mask"))
-        return self.seg_head(self.point_features(result))
+        return self.seg_head(self.point_features(self.backbone(data)))
