@@ -541,21 +541,26 @@ def check_backbone_arguments(type_name: str, arguments: dict) -> None:
     _check_backbone({"type": type_name, **arguments}, "model.backbone")
 
 
-def _check_backbone(backbone: Any, where: str) -> None:
-    if not isinstance(backbone, dict) or backbone.get("type") not in BACKBONE_OPTIONS:
-        raise ConfigError(f"{where}={backbone!r:.80} is not allowed: it must be dict(type=..., ...) with type one of "
-                          f"{', '.join(BACKBONE_OPTIONS)}")
-    options = BACKBONE_OPTIONS[backbone["type"]]
-    for key, value in backbone.items():
+def _check_component_options(component: dict, options: dict[str, Rule], where: str) -> None:
+    """ConfigError for an option of `component` (dict(type=..., ...) at `where`) that its type does not have
+    (naming the closest one) or a value its rule refuses."""
+    for key, value in component.items():
         if key == "type":
             continue
         if key not in options:
             close = difflib.get_close_matches(str(key), options, n=1, cutoff=0.6)
             hint = f"did you mean '{where}.{close[0]}'? " if close else ""
-            raise ConfigError(f"{where}.{key} is not an option of {backbone['type']}: {hint}its options are "
+            raise ConfigError(f"{where}.{key} is not an option of {component['type']}: {hint}its options are "
                               f"{', '.join(options)}. Fix or remove it in the config")
         if not options[key].ok(value):
             raise _refusal(f"{where}.{key}", value, options[key])
+
+
+def _check_backbone(backbone: Any, where: str) -> None:
+    if not isinstance(backbone, dict) or backbone.get("type") not in BACKBONE_OPTIONS:
+        raise ConfigError(f"{where}={backbone!r:.80} is not allowed: it must be dict(type=..., ...) with type one of "
+                          f"{', '.join(BACKBONE_OPTIONS)}")
+    _check_component_options(backbone, BACKBONE_OPTIONS[backbone["type"]], where)
     encoder_only = backbone.get("enc_mode") is True  # its decoder lists are not used
     stages = {k: v for k, v in backbone.items() if not (encoder_only and k in _PTV3_DECODER_KEYS)}
     _check_point_transformer_stages(stages, where)
@@ -571,17 +576,7 @@ def check_model(model: dict) -> None:
     closest one), a value of the wrong type or range, and for PointTransformer stage lists that do
     not fit together. The launcher checks the options a config gives; each model checks all of its
     arguments, defaults included, with the same rules (check_model_arguments)."""
-    options = MODEL_OPTIONS[model["type"]]
-    for key, value in model.items():
-        if key == "type":
-            continue
-        if key not in options:
-            close = difflib.get_close_matches(str(key), options, n=1, cutoff=0.6)
-            hint = f"did you mean 'model.{close[0]}'? " if close else ""
-            raise ConfigError(f"model.{key} is not an option of {model['type']}: {hint}its options are "
-                              f"{', '.join(options)}. Fix or remove it in the config")
-        if not options[key].ok(value):
-            raise _refusal(f"model.{key}", value, options[key])
+    _check_component_options(model, MODEL_OPTIONS[model["type"]], "model")
     if model["type"] == "PointTransformer":
         _check_point_transformer_stages(model)
     if model["type"] == "DefaultSegmentorV2":

@@ -43,6 +43,7 @@ Where it differs from the published code, and why (docs/models.md says by how mu
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import OrderedDict
@@ -53,9 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pimm.config.validate import check_backbone_arguments, check_model_arguments
 from pimm.data.collate import offset_to_batch_index
 from pimm.models.point_seg_net import cluster_mean
-from pimm.models.point_transformer import _MASK32, _mix32, event_keys, event_uniforms, pack_keys, step_key
+from pimm.models.point_transformer import event_keys, event_uniforms, pack_keys, step_key
 from pimm.models.serialization import check_depth, encode
 from pimm.models.sparse_conv import SubMConv3d, VoxelSites
 
@@ -98,14 +100,27 @@ class Level:
         self.inverse: torch.Tensor | None = None
         self._windows: dict[tuple[int, int], Windows] = {}
 
+    @classmethod
+    def of_cells(cls, cells: torch.Tensor, batch: torch.Tensor, num_events: int, published: bool
+                 ) -> tuple[Level, torch.Tensor, torch.Tensor]:
+        """The level of the distinct (event, cell) pairs of `cells` (N, 3) >= 0, voxels sorted by (event,
+        x, y, z), its `parent` set to each row's voxel -> (level, parent (N,), rows per voxel)."""
+        bits = max(int(cells.max()).bit_length(), 1) if len(cells) else 1
+        keys, parent, counts = torch.unique(pack_keys(batch, cells, bits), return_inverse=True, return_counts=True)
+        mask = (1 << bits) - 1
+        grid = torch.stack([(keys >> 2 * bits) & mask, (keys >> bits) & mask, keys & mask], 1)
+        return cls(grid, keys >> 3 * bits, num_events, published=published, parent=parent), parent, counts
+
     def pooled(self, stride: int) -> Level:
         """The level of `stride` times the voxel edge: voxels sorted by (event, x, y, z)."""
         coarse = torch.div(self.grid, stride, rounding_mode="floor")
-        bits = max(int(coarse.max()).bit_length(), 1) if self.num_voxels else 1
-        keys, parent = torch.unique(pack_keys(self.batch, coarse, bits), return_inverse=True)
-        mask = (1 << bits) - 1
-        grid = torch.stack([(keys >> 2 * bits) & mask, (keys >> bits) & mask, keys & mask], 1)
-        return Level(grid, keys >> 3 * bits, self.num_events, published=self.published, parent=parent)
+        return Level.of_cells(coarse, self.batch, self.num_events, self.published)[0]
+
+    @functools.cached_property
+    def place(self) -> torch.Tensor:
+        """(N,) each voxel's place within its event (voxels are stored event by event)."""
+        starts = torch.tensor(self.starts, device=self.grid.device)
+        return torch.arange(self.num_voxels, device=self.grid.device) - starts[self.batch]
 
     def codes(self, orders: list[str]) -> torch.Tensor:
         """(K, N) int64 curve codes of the voxels for each order, the event index above the curve bits.
@@ -208,9 +223,7 @@ class DropPath(nn.Module):
         if keys is None:
             keep = x.new_empty(x.shape[0], 1).bernoulli_(1.0 - self.p)
         else:
-            starts = torch.tensor(level.starts, device=x.device)
-            place = torch.arange(level.num_voxels, device=x.device) - starts[level.batch]  # the voxel within its event
-            voxel_keys = _mix32((keys[level.batch] + place * 0x9E3779B1) & _MASK32)
+            voxel_keys = event_keys(level.place, keys[level.batch])  # (event key, voxel), as (step key, event)
             keep = (event_uniforms(voxel_keys, self.stream) >= self.p).to(x.dtype).unsqueeze(1)
         return x * keep / (1.0 - self.p)
 
@@ -385,10 +398,7 @@ class PointTransformerV3(nn.Module):
                  freeze_encoder=False, cpe_first_layer_only=False, cpe_shared_weight=False,
                  embedding_act_layer=True, add_iso_features=False, iso_k=8, iso_r=None) -> None:
         super().__init__()
-        from pimm.config.validate import check_backbone_arguments  # deferred: validate imports names only
-
-        check_backbone_arguments("PT-v3m2", {k: v for k, v in locals().items()
-                                             if k not in ("self", "__class__", "check_backbone_arguments")})
+        check_backbone_arguments("PT-v3m2", {k: v for k, v in locals().items() if k not in ("self", "__class__")})
         stages = len(enc_depths)
         self.order = [order] if isinstance(order, str) else list(order)
         self.stride = list(stride)
@@ -469,7 +479,7 @@ class PointTransformerV3(nn.Module):
             return None
         stream = _ORDER_STREAM + level_index
         if keys is None:  # no event ids: one permutation for the batch, keyed by the step
-            generator = torch.Generator().manual_seed(int(_mix32((key + stream) & _MASK32)))
+            generator = torch.Generator().manual_seed(int(event_keys(torch.tensor([0]), key + stream)))
             return torch.randperm(count, generator=generator)
         draws = torch.stack([event_uniforms(keys, stream * 16 + k) for k in range(count)], 1)  # (B, K)
         return torch.argsort(draws, dim=1)
@@ -530,10 +540,8 @@ class DefaultSegmentorV2(nn.Module):
                  criteria: list | None = None, freeze_backbone: bool = False, mlp_head: bool = False,
                  grid_size: float = 1.0, grid_origin: float = 0.0) -> None:
         super().__init__()
-        from pimm.config.validate import check_model_arguments  # deferred: as in PointTransformerV3
-
-        check_model_arguments("DefaultSegmentorV2", {k: v for k, v in locals().items()
-                                                     if k not in ("self", "__class__", "check_model_arguments")})
+        check_model_arguments("DefaultSegmentorV2",
+                              {k: v for k, v in locals().items() if k not in ("self", "__class__")})
         if mlp_head:
             self.seg_head = nn.Sequential(nn.Linear(backbone_out_channels, backbone_out_channels // 2),
                                           nn.ReLU(inplace=True), nn.Dropout(p=0.3),
@@ -565,13 +573,7 @@ class DefaultSegmentorV2(nn.Module):
         cells = torch.floor((coord.double() - self.grid_origin) / self.grid_size).long()
         corner = cells.new_full((num_events, 3), torch.iinfo(torch.int64).max)
         corner.scatter_reduce_(0, batch.unsqueeze(1).expand_as(cells), cells, "amin")
-        cells = cells - corner[batch]
-        bits = max(int(cells.max()).bit_length(), 1) if len(cells) else 1
-        keys, voxel_of_point, counts = torch.unique(pack_keys(batch, cells, bits), return_inverse=True,
-                                                    return_counts=True)
-        mask = (1 << bits) - 1
-        grid = torch.stack([(keys >> 2 * bits) & mask, (keys >> bits) & mask, keys & mask], 1)
-        level = Level(grid, keys >> 3 * bits, num_events, published=False)
+        level, voxel_of_point, counts = Level.of_cells(cells - corner[batch], batch, num_events, published=False)
         voxel_feat = cluster_mean(feat, voxel_of_point, counts).to(feat.dtype)
         result = self.backbone.forward_levels(voxel_feat, level, event_id)
         return self.seg_head(self.point_features(result)).index_select(0, voxel_of_point)
