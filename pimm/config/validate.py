@@ -278,7 +278,12 @@ def check_config(cfg: dict) -> None:
 
     data, model = cfg["data"], cfg["model"]
     num_classes = data["num_classes"]
-    if "num_classes" in model and model["num_classes"] != num_classes:
+    task = cfg.get("task") if isinstance(cfg.get("task"), dict) else {}
+    if task.get("type") == "Panoptic" and task.get("label") == "interaction":
+        if model.get("num_classes", 2) != 2:
+            raise ConfigError(f"model.num_classes={model['num_classes']} but task.label='interaction' has 2 classes "
+                              "(stuff, interaction), as the published vtx recipes: set model.num_classes=2")
+    elif "num_classes" in model and model["num_classes"] != num_classes:
         raise ConfigError(
             f"data.num_classes={num_classes} but model.num_classes={model['num_classes']}: the model must "
             "output one score per class of the data; set both to the same value"
@@ -302,16 +307,19 @@ def check_config(cfg: dict) -> None:
         raise ConfigError(
             f"{where}={in_channels} but every data set gives {len(names.FEATURE_COLUMNS)} feature columns "
             f"per point ({', '.join(names.FEATURE_COLUMNS)}): set {where}={len(names.FEATURE_COLUMNS)}")
-    task = cfg.get("task")
-    if isinstance(task, dict):
+    task = cfg.get("task") if isinstance(cfg.get("task"), dict) else {}
+    if task.get("type") == "Panoptic":
+        check_panoptic(cfg)
+    else:
+        if model["type"] == "detector-v1m1":
+            raise ConfigError("model.type='detector-v1m1' (a query detector) is trained by the Panoptic task: set "
+                              "task=dict(type='Panoptic', label='particle' or 'interaction')")
         unknown = sorted(set(task) - {"type", "class_weights", "ignore_index", "best_metric", "loss"})
         if unknown:
-            raise ConfigError(f"task.{unknown[0]} is not an option of {task['type']}; its options are "
+            raise ConfigError(f"task.{unknown[0]} is not an option of {task.get('type')}; its options are "
                               "class_weights, ignore_index, best_metric, loss.")
-    loss = task_loss(cfg)
-    task = task if isinstance(task, dict) else {}
-    check_segmentation_options(num_classes, task.get("class_weights"), task.get("ignore_index", -1),
-                               task.get("best_metric", "miou"), loss)
+        check_segmentation_options(num_classes, task.get("class_weights"), task.get("ignore_index", -1),
+                                   task.get("best_metric", "miou"), task_loss(cfg))
     class_names = data.get("names")
     if class_names is not None and len(class_names) != num_classes:
         raise ConfigError(
@@ -381,15 +389,91 @@ def loss_from_criteria(criteria: Any) -> list[dict]:
     return terms
 
 
-def task_loss(cfg: dict) -> list[dict]:
-    """The loss terms a config trains with: task.loss, else the published model.criteria, else DEFAULT_LOSS."""
+def task_loss(cfg: dict):
+    """The loss a config trains with: task.loss, else the published model.criteria (for SemanticSegmentation
+    as pimm's loss terms), else the task's default (DEFAULT_LOSS; None for Panoptic)."""
     task, model = cfg.get("task") or {}, cfg.get("model") or {}
     if task.get("loss") is not None and model.get("criteria"):
         raise ConfigError("task.loss and model.criteria are both set: pimm computes the loss in the task, from one of "
                           "them. Remove model.criteria (the published losses) or task.loss")
     if task.get("loss") is not None:
         return task["loss"]
+    if task.get("type") == "Panoptic":
+        return model.get("criteria") or None
     return loss_from_criteria(model.get("criteria")) or DEFAULT_LOSS
+
+
+PANOPTIC_OPTIONS: dict[str, Rule] = {
+    "label": one_of(names.PANOPTIC_LABELS),
+    "stuff_classes": optional(Rule("a list of class indices >= 0", lambda v: isinstance(v, (list, tuple)) and all(
+        _is_int(x) and x >= 0 for x in v)), "the last class for particles, class 0 (stuff) for interactions"),
+    "best_metric": one_of((*names.PANOPTIC_EVENT_METRICS, "pq_pooled", "detection_f1_pooled", "loss")),
+    "iou_threshold": Rule("a number in [0.5, 1) (matches above 0.5 IoU are unique)",
+                          lambda v: _is_number(v) and 0.5 <= v < 1),
+    "loss": ANY,  # panoptic_loss_weights checks it
+    "stuff_loss_weight": number(0, strict=False),
+}
+
+
+def check_panoptic(cfg: dict) -> None:
+    """ConfigError for a Panoptic task the run cannot train: unknown or bad options, a model that is not the
+    query detector, data without instance targets, stuff classes outside the task's classes."""
+    task, model, data = cfg["task"], cfg["model"], cfg["data"]
+    inherited = [k for k in ("class_weights", "ignore_index") if k in task]
+    if inherited:
+        raise ConfigError(f"task.{inherited[0]} is an option of SemanticSegmentation, not of Panoptic (a config "
+                          "inheriting configs/_base_/default_runtime.py gets its task options): write "
+                          "task = dict(_delete_=True, type='Panoptic', label=...)")
+    _check_component_options(task, PANOPTIC_OPTIONS, "task")
+    if "label" not in task:
+        raise ConfigError("task.label is required for Panoptic: 'particle' (particles as instances) or 'interaction'")
+    if model["type"] != "detector-v1m1":
+        raise ConfigError(f"task.type='Panoptic' needs the query detector: model.type='detector-v1m1' (got "
+                          f"{model['type']!r}); see configs/tests/tiny_panoptic.py")
+    classes = 2 if task["label"] == "interaction" else data["num_classes"]
+    bad = [c for c in task.get("stuff_classes") or () if c >= classes]
+    if bad:
+        raise ConfigError(f"task.stuff_classes={task['stuff_classes']!r} is not allowed: class {bad[0]} is outside "
+                          f"0..{classes - 1}")
+    for split in SPLITS:
+        dataset = data.get(split)
+        if isinstance(dataset, dict) and dataset.get("instances") is not True:
+            raise ConfigError(f"task.type='Panoptic' learns from instance targets but data.{split} gives none: set "
+                              f"data.{split}.instances=True (PILArNetDataset)")
+    panoptic_loss_weights(task_loss(cfg))
+
+
+def panoptic_loss_weights(loss: Any) -> dict[str, float]:
+    """A Panoptic task.loss (None; a dict of names.PANOPTIC_LOSS_WEIGHTS; or the published criteria, one
+    dict(type='InstanceSegmentationLoss', ...)) -> the weights it sets; ConfigError for anything else."""
+    if loss is None:
+        return {}
+    if isinstance(loss, (list, tuple)):
+        if len(loss) != 1 or not isinstance(loss[0], dict) or loss[0].get("type") != "InstanceSegmentationLoss":
+            raise ConfigError(f"task.loss={loss!r:.100} is not allowed for Panoptic: give the published criteria as "
+                              "one dict(type='InstanceSegmentationLoss', ...), or a dict of loss weights")
+        term = {k: v for k, v in loss[0].items() if k != "type"}
+        if term.pop("truth_label", "instance") != "instance":
+            raise ConfigError("InstanceSegmentationLoss truth_label must be 'instance' (task.label says what an "
+                              "instance is)")
+        unknown = sorted(set(term) - set(names.PUBLISHED_INSTANCE_LOSS))
+        if unknown:
+            raise ConfigError(f"InstanceSegmentationLoss option {unknown[0]!r} is not supported; its options are "
+                              f"{', '.join(names.PUBLISHED_INSTANCE_LOSS)}, truth_label")
+        loss = {names.PUBLISHED_INSTANCE_LOSS[k]: v for k, v in term.items()}
+    if not isinstance(loss, dict):
+        raise ConfigError(f"task.loss={loss!r:.80} is not allowed for Panoptic: give a dict of loss weights "
+                          f"({', '.join(names.PANOPTIC_LOSS_WEIGHTS)})")
+    for key, value in loss.items():
+        if key not in names.PANOPTIC_LOSS_WEIGHTS:
+            close = difflib.get_close_matches(str(key), names.PANOPTIC_LOSS_WEIGHTS, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(f"task.loss.{key} is not a Panoptic loss weight: {hint}its weights are "
+                              f"{', '.join(names.PANOPTIC_LOSS_WEIGHTS)}")
+        if not (_is_int(value) and value >= 1 if key == "match_points" else _is_number(value) and value >= 0):
+            raise ConfigError(f"task.loss.{key}={value!r} is not allowed: give "
+                              f"{'an integer >= 1' if key == 'match_points' else 'a finite number >= 0'}")
+    return dict(loss)
 
 
 def check_loss_terms(loss: Any) -> None:
@@ -459,6 +543,16 @@ _DECODER_LIST = Rule("a list of integers >= 1, one per decoder stage (len(enc_de
 _CRITERIA = Rule("a list of dict(type='CrossEntropyLoss' | 'LovaszLoss', loss_weight=..., ...) (the published "
                  "losses; pimm computes the loss in the task: see task.loss)",
                  lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(c, dict) for c in v)))
+_PROBABILITY = Rule("a number in [0, 1]", lambda v: _is_number(v) and 0 <= v <= 1)
+
+
+def _ZERO(why: str) -> Rule:
+    return Rule(f"0 ({why})", lambda v: _is_number(v) and v == 0)
+
+
+_INSTANCE_CRITERIA = Rule("None or [dict(type='InstanceSegmentationLoss', ...)] (the published instance loss; pimm "
+                          "computes it in the Panoptic task: see task.loss)",
+                          lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(c, dict) for c in v)))
 # model type -> its constructor arguments (pimm.models; a test holds these to the signatures)
 MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
     "PointSegNet": {
@@ -487,6 +581,55 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
         "criteria": _CRITERIA,
         "freeze_backbone": BOOL,
         "mlp_head": BOOL,
+        "grid_size": number(0, strict=True),
+        "grid_origin": Rule("a finite number", _is_number),
+    },
+    # the published detector (pimm.models.detector): every published constructor argument, and pimm's own
+    "detector-v1m1": {
+        "num_classes": integer(1, " (the task's classes: data.num_classes for particles, 2 for interactions)"),
+        "full_in_channels": integer(1, " (the backbone's width per point: with enc_mode the sum of enc_channels, "
+                                       "otherwise dec_channels[0])"),
+        "hidden_channels": integer(1),
+        "num_heads": integer(1),
+        "num_queries": integer(1),
+        "backbone": component("backbone", names.BACKBONES),
+        "criteria": _INSTANCE_CRITERIA,
+        "depth": integer(1, " (decoder layers)"),
+        "mlp_ratio": number(0, strict=True),
+        "qkv_bias": BOOL,
+        "qk_scale": Rule("None (attention is scaled by 1/sqrt(channels per head))", lambda v: v is None),
+        "attn_drop": _ZERO("the decoder has no dropout"),
+        "proj_drop": _ZERO("the decoder has no dropout"),
+        "drop_path": _ZERO("the decoder has no drop path"),
+        "layer_scale": Rule("None (the decoder has no LayerScale)", lambda v: v is None),
+        "pre_norm": Rule("true (the decoder is pre-norm)", lambda v: v is True),
+        "enable_flash": BOOL,
+        "upcast_attention": BOOL,
+        "upcast_softmax": BOOL,
+        "pos_emb": BOOL,
+        "attn_mask_anneal": Rule("false (attention-mask annealing is not implemented; the recipes leave it off)",
+                                 lambda v: v is False),
+        "attn_mask_anneal_steps": integer(0),
+        "attn_mask_warmup_steps": integer(0),
+        "attn_mask_progressive": Rule("false (attention-mask annealing is not implemented)", lambda v: v is False),
+        "attn_mask_progressive_delay": integer(0),
+        "query_type": Rule("'learned' (the only query type published)", lambda v: v == "learned"),
+        "use_stuff_head": BOOL,
+        "stuff_classes": optional(_list_of("class indices >= 0", lambda x: _is_int(x) and x >= 0), "none"),
+        "supervise_attn_mask": Rule("true (every decoder layer's masks are supervised)", lambda v: v is True),
+        "train_filter_use_gt": BOOL,
+        "mlp_point_proj": BOOL,
+        "stuff_threshold": _PROBABILITY,
+        "mask_threshold": _PROBABILITY,
+        "conf_threshold": _PROBABILITY,
+        "nms_kernel": Rule("'gaussian' (matrix NMS is gaussian)", lambda v: v == "gaussian"),
+        "nms_sigma": number(0, strict=True),
+        "nms_pre": Rule("-1 (every candidate query goes to NMS)", lambda v: v == -1 and _is_int(v)),
+        "nms_max": Rule("-1 (every instance NMS keeps is kept)", lambda v: v == -1 and _is_int(v)),
+        "min_points": integer(1),
+        "fill_uncovered": Rule("false (points no instance takes stay unassigned)", lambda v: v is False),
+        "momentum_head": BOOL,
+        "vertex_head": BOOL,
         "grid_size": number(0, strict=True),
         "grid_origin": Rule("a finite number", _is_number),
     },
@@ -581,6 +724,29 @@ def check_model(model: dict) -> None:
         _check_point_transformer_stages(model)
     if model["type"] == "DefaultSegmentorV2":
         _check_backbone(model.get("backbone"), "model.backbone")
+    if model["type"] == "detector-v1m1":
+        _check_detector(model)
+
+
+def _check_detector(model: dict) -> None:
+    """The detector options that relate to each other and to its backbone."""
+    _check_backbone(model.get("backbone"), "model.backbone")
+    backbone = model["backbone"]
+    if backbone.get("enc_mode") is True:
+        width, what = sum(backbone.get("enc_channels") or (32, 64, 128, 256, 512)), "the sum of enc_channels"
+    else:
+        width, what = (backbone.get("dec_channels") or (64,))[0], "dec_channels[0]"
+    if model.get("full_in_channels") != width:
+        raise ConfigError(f"model.full_in_channels={model.get('full_in_channels')!r} but the backbone gives {width} "
+                          f"channels per point ({what}); set model.full_in_channels={width}")
+    classes = model.get("num_classes")
+    bad = [c for c in model.get("stuff_classes") or () if _is_int(classes) and c >= classes]
+    if bad:
+        raise ConfigError(f"model.stuff_classes={model['stuff_classes']!r} is not allowed: class {bad[0]} is outside "
+                          f"0..{classes - 1} (model.num_classes={classes})")
+    if (model.get("hidden_channels", 256) or 1) % (model.get("num_heads", 16) or 1):
+        raise ConfigError(f"model.hidden_channels={model.get('hidden_channels', 256)} is not a multiple of "
+                          f"model.num_heads={model.get('num_heads', 16)}; choose num_heads that divides it")
 
 
 def check_model_arguments(type_name: str, arguments: dict) -> None:

@@ -76,15 +76,17 @@ def over_batches(loader, device: torch.device, step: Callable[[dict], None]) -> 
 @torch.no_grad()
 def evaluate_events(module: torch.nn.Module, strategy, task, dataset, loader, sampler: ShardedEvalSampler,
                     device: torch.device, autocast_dtype: torch.dtype | None = None,
-                    on_batch: Callable[[dict, torch.Tensor], None] | None = None) -> dict:
+                    on_batch: Callable[[dict, object], None] | None = None, meter=None) -> dict:
     """Run `task.forward_loss` of the strategy's evaluation module over this rank's batches of
     `loader` (drawn by `sampler`) and return the task meter's metrics, reduced over all ranks (a
     collective: every rank calls it). With a lockstep strategy (FSDP2) a rank with fewer batches
     runs masked forwards until all ranks ran as many. `on_batch(batch, logits)` sees each counted
-    batch (on `device`) and its per-point logits. Leaves the module in eval mode."""
+    batch (on `device`) and the model's prediction (per-point logits; a DetectorOutput for Panoptic).
+    `meter`: the task's meter to fill (default: a new one), for a caller that reads more of it than the
+    metrics. Leaves the module in eval mode."""
     model = strategy.eval_module(module)
     model.eval()
-    meter = task.make_meter(device)
+    meter = task.make_meter(device) if meter is None else meter
 
     def forward(batch: dict):
         with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
@@ -173,14 +175,32 @@ def metrics_csv(result: dict, names: list[str]) -> str:
     return out.getvalue()
 
 
-def write_results(out: Path, result: dict, spec: dict, names: list[str], provenance: dict) -> None:
+def per_event_csv(rows: dict[str, np.ndarray]) -> str:
+    """One row per event: event_id, then every per-event metric (empty where undefined)."""
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(list(rows))
+    for values in zip(*rows.values()):
+        w.writerow([int(values[0]), *("" if not np.isfinite(v) else f"{v:.6g}" for v in values[1:])])
+    return out.getvalue()
+
+
+def write_results(out: Path, result: dict, spec: dict, names: list[str], provenance: dict, meter=None) -> None:
     """Rank 0: the metric, confusion and provenance files of one evaluation (test_metrics.json last:
-    its presence marks a finished evaluation)."""
+    its presence marks a finished evaluation). Semantic segmentation: test_metrics.csv per class and the
+    point confusion; Panoptic (a meter with per-event rows): test_metrics_per_event.csv and the pid
+    confusion of matched instances."""
     confusion = {"class_names": names, "rows": "truth", "columns": "prediction", "counts": result["confusion"]}
+    per_event = meter.per_event() if hasattr(meter, "per_event") else None
+    if per_event is not None:
+        confusion["counts_of"] = "instances matched at the IoU threshold, by their classes"
     write_atomic(out / "confusion.json", dumps(confusion, indent=2) + "\n")
     plot_confusion(np.asarray(result["confusion"], np.int64), names, out / "confusion.png",
                    title=f"{spec['split']}: {spec['checkpoint']} (step {spec.get('step')})")
-    write_atomic(out / "test_metrics.csv", metrics_csv(result, names))
+    if per_event is None:
+        write_atomic(out / "test_metrics.csv", metrics_csv(result, names))
+    else:
+        write_atomic(out / "test_metrics_per_event.csv", per_event_csv(per_event))
     write_atomic(out / "provenance.json", dumps(provenance, indent=2) + "\n")
     record = {**result, "class_names": names, "split": spec["split"], "checkpoint": spec["checkpoint"],
               "step": spec.get("step"), "weights": spec["weights"], "weights_sha256": spec["weights_sha256"]}
@@ -246,12 +266,13 @@ def _evaluate(eval_dir: Path, spec: dict, env: DistEnv) -> None:
         writer, on_batch = prediction_writer(eval_dir / f"predictions.rank{env.rank}.h5", dataset, cfg, split,
                                              bool(spec.get("save_scores")), {**facts, "rank": env.rank})
     started = time.perf_counter()
+    meter = task.make_meter(env.device)
     result = _merged(eval_dir / PREDICTIONS_FILE, env, writer, lambda: evaluate_events(
-        module, strategy, task, dataset, loader, sampler, env.device, autocast, on_batch))
+        module, strategy, task, dataset, loader, sampler, env.device, autocast, on_batch, meter))
     if not env.is_main:
         return
     seconds = time.perf_counter() - started
-    names = list(cfg["data"].get("names") or [str(i) for i in range(len(result["iou"]))])
+    names = list(task.class_names)
     data = validate_data(cfg["data"][split], num_classes=cfg["data"]["num_classes"],
                          ignore_index=(cfg.get("task") or {}).get("ignore_index", -1))
     provenance = {
@@ -260,10 +281,8 @@ def _evaluate(eval_dir: Path, spec: dict, env: DistEnv) -> None:
         "strategy": strategy.name, "device_type": env.device.type, "seconds": seconds,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    write_results(eval_dir, result, spec, names, provenance)
-    log.info("%s: mIoU %.4f mAcc %.4f allAcc %.4f loss %.4f (%d events, %d points) in %.1f s", split,
-             result["miou"], result["macc"], result["allacc"], result["loss"], result["events"], result["points"],
-             seconds)
+    write_results(eval_dir, result, spec, names, provenance, meter)
+    log.info("%s: %s in %.1f s", split, task.summary(result), seconds)
 
 
 def _predict(eval_dir: Path, spec: dict, env: DistEnv) -> None:

@@ -52,7 +52,10 @@ def setup_logging(log_dir: Path, rank: int) -> logging.Logger:
     return logger
 
 
-SCALAR_KEYS = {"train": ("loss", "lr", "events_per_s"), "val": ("loss", "miou", "macc", "allacc", "accuracy")}
+SCALAR_KEYS = {"train": ("loss", "lr", "events_per_s"),
+               "val": ("loss", "miou", "macc", "allacc", "accuracy",  # SemanticSegmentation
+                       "ari_all_labelled", "ari_predicted_things", "ami_all_labelled", "pq", "purity", "efficiency",
+                       "detection_f1", "matched_iou", "pid_f1")}  # Panoptic
 PER_CLASS_KEYS = ("iou", "precision", "recall", "f1")  # lists of one value per class in a val record
 
 

@@ -20,8 +20,9 @@ def pyplot():
     return plt
 
 
-def plot_metrics(metrics_path: Path, out_path: Path) -> Path | None:
-    """Draw loss vs step and validation mIoU vs step; returns the PNG path (None without data)."""
+def plot_metrics(metrics_path: Path, out_path: Path, metric: str = "miou") -> Path | None:
+    """Draw loss vs step and the validation `metric` (the task's best_metric) vs step; returns the PNG
+    path (None without data)."""
     if not metrics_path.exists():
         return None
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
@@ -29,16 +30,17 @@ def plot_metrics(metrics_path: Path, out_path: Path) -> Path | None:
     val = [r for r in records if r.get("kind") == "val"]
     if not train and not val:
         return None
-    fig, (ax_loss, ax_miou) = pyplot().subplots(1, 2, figsize=(10, 4))
+    fig, (ax_loss, ax_metric) = pyplot().subplots(1, 2, figsize=(10, 4))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     ax_loss.plot([r["step"] for r in val], [r["loss"] for r in val], "o-", label="val")
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("loss (mean over events)")
     ax_loss.legend()
-    ax_miou.plot([r["step"] for r in val], [r["miou"] for r in val], "o-")
-    ax_miou.set_xlabel("optimizer step")
-    ax_miou.set_ylabel("validation mIoU")
-    ax_miou.set_ylim(0, 1)
+    ax_metric.plot([r["step"] for r in val], [r.get(metric) for r in val], "o-")  # None (not finite): a gap
+    ax_metric.set_xlabel("optimizer step")
+    ax_metric.set_ylabel("validation mIoU" if metric == "miou" else f"validation {metric}")
+    if metric != "loss":
+        ax_metric.set_ylim(0, 1)
     return save_png(fig, out_path)
 
 

@@ -273,7 +273,7 @@ class Trainer:
         self.checkpoints.wait()
         self.metrics.close()
         if self.env.is_main:
-            plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plot.png")
+            plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "plot.png", self.task.best_metric)
             self._write_summary(final)
         barrier()
         return final
@@ -573,7 +573,7 @@ class Trainer:
         result = evaluate_events(self.module, self.strategy, self.task, self.val_set, loader, sampler,
                                  self.env.device, self.autocast_dtype if self.autocast else None)
         self.module.train()
-        nonfinite = nonfinite_keys(result)
+        nonfinite = nonfinite_keys(self.task.must_be_finite(result))
         if nonfinite:  # warn, record as null, never pick as best; the weights are unchanged, so training goes on
             result["nonfinite"] = nonfinite
             (log.warning if self.env.is_main else log.info)(
@@ -583,13 +583,7 @@ class Trainer:
                 self.state.epoch, self.state.step, ", ".join(nonfinite),
                 ", ".join(f"{k}={result[k]}" for k in nonfinite),
             )
-        names = self.cfg["data"].get("names") or [str(i) for i in range(len(result["iou"]))]
-        per_class = " ".join(f"{n}={v:.3f}" for n, v in zip(names, result["iou"]))
-        log.info(
-            "validation epoch %d step %d: loss %.4f mIoU %.4f acc %.4f (%d events) | %s",
-            self.state.epoch, self.state.step, result["loss"], result["miou"], result["accuracy"],
-            result["events"], per_class,
-        )
+        log.info("validation epoch %d step %d: %s", self.state.epoch, self.state.step, self.task.summary(result))
         self.metrics.write({"kind": "val", "step": self.state.step, "epoch": self.state.epoch, **result})
         return result
 

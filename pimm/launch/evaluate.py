@@ -123,8 +123,13 @@ def run_test(job: TestJob) -> int:
     def num(v) -> str:
         return "n/a" if v is None else f"{v:.4f}"
 
-    print(f"pimm test: mIoU {num(m['miou'])} mAcc {num(m['macc'])} allAcc {num(m['allacc'])} over {m['events']} "
-          f"events ({m['points']} points); results in {out}")
+    if "miou" in m:
+        print(f"pimm test: mIoU {num(m['miou'])} mAcc {num(m['macc'])} allAcc {num(m['allacc'])} over {m['events']} "
+              f"events ({m['points']} points); results in {out}")
+    else:  # Panoptic
+        print(f"pimm test: ARI {num(m.get('ari_all_labelled'))} PQ {num(m.get('pq'))} purity {num(m.get('purity'))} "
+              f"efficiency {num(m.get('efficiency'))} detection F1 {num(m.get('detection_f1'))} over "
+              f"{int(m['events'])} events; results in {out}")
     return 0
 
 

@@ -284,7 +284,10 @@ def _report_success(run_dir: Path) -> None:
 
     print("\npimm: validation finished" if validate_only else "\npimm: training finished")
     if final:
-        print(f"  validation mIoU  {num(final.get('miou'))} (loss {num(final.get('loss'))}, {final['events']} events)")
+        metric = summary.get("best_metric") or "miou"
+        label = "mIoU" if metric == "miou" else metric
+        print(f"  validation {label:<5} {num(final.get(metric))} (loss {num(final.get('loss'))}, "
+              f"{int(final['events'])} events)")
     print(f"  run directory    {run_dir}")
     print(f"  config           {run_dir / 'config.py'}")
     print(f"  logs             {run_dir / 'logs'}/rank*.log")

@@ -222,6 +222,7 @@ def make_plan(
         raise LaunchError(f"--resources.max-restarts must be >= 0, got {max_restarts}")
     gpus = visible_gpus() if gpus is None else gpus
     nproc = resolve_nproc(nproc_per_node, gpus)
+    phases = phases_of(cfg)
     batches = plan_batches(cfg, nnodes * nproc)
     return LaunchPlan(
         config_name=config_name,
@@ -239,7 +240,7 @@ def make_plan(
         resume=resume,
         weight=weight,
         rdzv_id=rdzv_id,
-        phases=phases_of(cfg),
+        phases=phases,
     )
 
 
@@ -248,14 +249,19 @@ def data_files(cfg: dict) -> dict[str, str]:
     return {split: cfg["data"][split]["path"] for split in ("train", "val", "test") if cfg["data"].get(split)}
 
 
-def check_data(cfg: dict, global_batch: int) -> dict[str, dict]:
-    """Every data set is valid for its type (a pimm event file, or PILArNet-M shards) with labels in
-    0..data.num_classes-1 or task.ignore_index, and the train set fills one global batch;
-    returns split -> the data's identity (pimm.data.event_file.validate_data)."""
-    checked = {}
+def check_split(cfg: dict, split: str) -> dict:
+    """data.<split> is valid for its type (a pimm event file, or PILArNet-M shards) with labels in
+    0..data.num_classes-1 or task.ignore_index; returns its identity (pimm.data.event_file.validate_data)."""
+    return validate_data(cfg["data"][split], num_classes=cfg["data"]["num_classes"],
+                         ignore_index=(cfg.get("task") or {}).get("ignore_index", -1))
+
+
+def check_data(cfg: dict, global_batch: int, checked: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Every data set passes check_split and the train set fills one global batch; returns split ->
+    the data's identity. checked: split -> identity of a split the pre-flight already checked."""
+    identities = {}
     for split in data_files(cfg):
-        info = checked[split] = validate_data(cfg["data"][split], num_classes=cfg["data"]["num_classes"],
-                                              ignore_index=(cfg.get("task") or {}).get("ignore_index", -1))
+        info = identities[split] = (checked or {}).get(split) or check_split(cfg, split)
         if split == "train":
             max_len = cfg["data"]["train"].get("max_len")
             events = min(info["num_events"], max_len) if max_len else info["num_events"]
@@ -264,7 +270,7 @@ def check_data(cfg: dict, global_batch: int) -> dict[str, dict]:
                     f"data.train has {events} events, fewer than one global batch (batch_size={global_batch}); "
                     "use more events or a smaller batch_size"
                 )
-    return checked
+    return identities
 
 
 def plan_from_run(run_dir: Path, rdzv_endpoint: str, rdzv_id: str, resume: bool) -> LaunchPlan:

@@ -3,7 +3,10 @@
 The run's own resolved config (`<run>/config.py`) and launch facts (`<run>/launch.json`: processes
 per node, nodes, restarts) are the defaults (its `debug.*` fault injection is not: that belongs to
 one launch); `-- key=value` overrides and explicit --resources
-flags apply on top. A change that cannot work is refused here, before any process starts:
+flags apply on top. This module reads the run's records (load_saved_run) and decides (resume_run)
+from what the pre-flight measured with the modules that own each fact (pimm.launch.preflight: the
+config checked, the train set counted, the two models' parameters compared); it calls none of them
+itself. A change that cannot work is refused here, before any process starts:
   - model parameters (names or shapes) that no longer match the checkpoint;
   - optimizer or scheduler settings (their saved state would silently win over the new values), or
     freeze and param_groups (they decide the optimizer's parameter groups);
@@ -19,17 +22,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pimm.checkpoint.layout import candidates
-from pimm.config import apply_overrides, config_hash, parse_overrides, read_run_config
-from pimm.config.validate import check_config
-from pimm.data.event_file import validate_data
+from pimm.config import config_hash, read_run_config
 from pimm.errors import ConfigError, LaunchError, PimmError
 
 
 @dataclass
 class SavedRun:
+    """What a run directory records: its resolved config, its launch facts, its attempts and its
+    newest complete checkpoint."""
+
     run_dir: Path
     cfg: dict
     launch: dict  # launch.json of the latest launch ({} for runs older than launch.json)
+    attempts: list[dict]  # provenance.json's, oldest first
+    newest_step: int | None  # of the newest complete checkpoint; None without one
 
     @property
     def config_name(self) -> str:
@@ -44,33 +50,8 @@ def attempts(run_dir: Path) -> list[dict]:
         return []
 
 
-@dataclass
-class Resume:
-    """What a resume compares, gathered in one place: the run as it was saved, the config it
-    continues with (the saved one with the overrides, checked), what changed, and whether the run
-    already trained everything that config asks for."""
-
-    saved: SavedRun
-    cfg: dict
-    changes: dict[str, tuple]
-    completed: str | None  # when the run already trained all `cfg` asks for: what to tell, how to train longer
-
-
-def resume_run(run_dir: Path, overrides: list[str], verb: str = "pimm launch") -> Resume:
-    """The run at `run_dir` with `overrides` on its own config, or the reason it cannot continue:
-    LaunchError (not a pimm run), ConfigError (a bad override, or a change that cannot continue it).
-    Reads the run's records and the train data's size, never a checkpoint's weights. `verb` is the
-    command the completed message suggests (pimm launch, or pimm submit --site S)."""
-    saved = load_saved_run(run_dir)
-    cfg = apply_overrides(saved.cfg, parse_overrides(overrides))
-    check_config(cfg)
-    changes = check_resume_changes(saved, cfg)
-    done = completed_run(run_dir, cfg)
-    return Resume(saved, cfg, changes, None if done is None else done.message(cfg, saved.config_name, verb))
-
-
 def load_saved_run(run_dir: Path) -> SavedRun:
-    """The run's resolved config and launch facts; LaunchError when `run_dir` is not a pimm run."""
+    """The run's records (reading no checkpoint's weights); LaunchError when `run_dir` is not a pimm run."""
     if not run_dir.is_dir():
         raise LaunchError(
             f"cannot resume: run directory {run_dir} does not exist (looked for {run_dir.absolute()}); "
@@ -88,7 +69,53 @@ def load_saved_run(run_dir: Path) -> SavedRun:
     cfg = read_run_config(run_dir / "config.py")
     if isinstance(cfg.get("debug"), dict):  # fault injection belongs to one launch, not to the run
         cfg["debug"] = {key: None for key in cfg["debug"]}
-    return SavedRun(run_dir, cfg, launch)
+    return SavedRun(run_dir, cfg, launch, attempts(run_dir), _newest_step(run_dir))
+
+
+def _newest_step(run_dir: Path) -> int | None:
+    complete, _ = candidates(run_dir / "model")
+    return complete[0].step if complete else None
+
+
+@dataclass(frozen=True)
+class TrainSet:
+    """A config's train set as the pre-flight checked it (its identity: pimm.launch.plan.check_split),
+    or the error that check raised: raised again only where a resume needs the count."""
+
+    identity: dict | None = None
+    error: Exception | None = None
+
+    def events(self, cfg: dict) -> int:
+        """The events a run of `cfg` trains on per epoch (data.train.max_len applied)."""
+        if self.error is not None:
+            raise self.error
+        events, max_len = self.identity["num_events"], cfg["data"]["train"].get("max_len")
+        return min(events, max_len) if max_len else events
+
+
+@dataclass
+class Resume:
+    """What a resume compares, gathered in one place: the run as it was saved, the config it
+    continues with (the saved one with the overrides, checked by the pre-flight), what changed, and
+    whether the run already trained everything that config asks for."""
+
+    saved: SavedRun
+    cfg: dict
+    changes: dict[str, tuple]
+    completed: str | None  # when the run already trained all `cfg` asks for: what to tell, how to train longer
+
+
+def resume_run(saved: SavedRun, cfg: dict, train_then: TrainSet, train_now: TrainSet,
+               parameter_mismatch: str | None, verb: str = "pimm launch") -> Resume:
+    """Continue `saved` with `cfg`, or refuse (ConfigError) a change that cannot continue it, from what
+    the pre-flight hands over: the train set's events under the run's config (train_then) and under
+    `cfg` (train_now), and how the two models' parameters differ (None: they match, or the model is
+    unchanged). `verb` is the command the completed message suggests (pimm launch, or pimm submit --site S)."""
+    changes = changed_keys(saved.cfg, cfg)
+    if changes:
+        _refuse_changes(saved, cfg, changes, train_then, train_now, parameter_mismatch)
+    done = _completed(saved, cfg, train_now)
+    return Resume(saved, cfg, changes, None if done is None else done.message(cfg, saved.config_name, verb))
 
 
 @dataclass
@@ -119,36 +146,46 @@ class CompletedRun:
 
 
 def completed_run(run_dir: Path, cfg: dict) -> CompletedRun | None:
+    """`run_dir`'s end when it already trained every step of `cfg`, the config its last attempt ran
+    (a Slurm chain's job asks this of the run's config.py); None when it has something to train."""
+    return _completed(SavedRun(run_dir, cfg, {}, attempts(run_dir), _newest_step(run_dir)), cfg, None)
+
+
+def _completed(saved: SavedRun, cfg: dict, train: TrainSet | None) -> CompletedRun | None:
     """The run's end when it already trained every step `cfg` (its config, with any overrides)
     asks for; None when a resume has something to train, or when that cannot be told. Decided from
     what the run directory records, reading no checkpoint: the last attempt in provenance.json ended
     "completed", and the newest complete checkpoint is at or past cfg's total steps (for the config
-    that attempt ran, the step it finished at; for another, epochs x steps per epoch, or max_steps)."""
-    done = attempts(run_dir)
-    last = done[-1] if done else {}
-    if last.get("outcome") != "completed" or last.get("validate_only"):
-        return None
-    complete, _ = candidates(run_dir / "model")
-    if not complete:
+    that attempt ran, the step it finished at; for another, epochs x steps per epoch of `train`, or
+    max_steps; without `train`, that cannot be told)."""
+    last = saved.attempts[-1] if saved.attempts else {}
+    if last.get("outcome") != "completed" or last.get("validate_only") or saved.newest_step is None:
         return None
     try:
         if last.get("config_hash") == config_hash(cfg) and last.get("final_step") is not None:
             total = int(last["final_step"])
+        elif train is not None:
+            total = _total_steps(cfg, train)
         else:
-            total = _total_steps(cfg)
+            return None
     except (PimmError, OSError, KeyError, TypeError, ValueError):
         return None  # the launch's own checks say what is wrong
-    if complete[0].step < total:
+    if saved.newest_step < total:
         return None
-    overrides = ((done[0].get("launch") or {}).get("overrides")) or []
-    return CompletedRun(run_dir, complete[0].step, total, last.get("end_time"),
+    overrides = ((saved.attempts[0].get("launch") or {}).get("overrides")) or []
+    return CompletedRun(saved.run_dir, saved.newest_step, total, last.get("end_time"),
                         [o for o in overrides if not o.startswith("debug.")])
 
 
-def _total_steps(cfg: dict) -> int:
+def _total_steps(cfg: dict, train: TrainSet) -> int:
     """Optimizer steps a run of `cfg` trains: every epoch, or max_steps when that is fewer (as the trainer counts)."""
-    steps = int(cfg["epochs"]) * (_train_events(cfg) // int(cfg["batch_size"]))
+    steps = _epochs_steps(cfg, train)
     return min(steps, int(cfg["max_steps"])) if cfg.get("max_steps") else steps
+
+
+def _epochs_steps(cfg: dict, train: TrainSet) -> int:
+    """epochs x steps per epoch of a run of `cfg` whose train set `train` counted."""
+    return int(cfg["epochs"]) * (train.events(cfg) // int(cfg["batch_size"]))
 
 
 def leaf_values(cfg: dict, prefix: str = "") -> dict:
@@ -168,11 +205,9 @@ def changed_keys(saved: dict, cfg: dict) -> dict[str, tuple]:
     return {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
 
 
-def check_resume_changes(saved: SavedRun, cfg: dict) -> dict[str, tuple]:
-    """Refuse (ConfigError) a resume whose config cannot continue the run; returns the changes."""
-    changes = changed_keys(saved.cfg, cfg)
-    if not changes:
-        return changes
+def _refuse_changes(saved: SavedRun, cfg: dict, changes: dict[str, tuple], train_then: TrainSet,
+                    train_now: TrainSet, parameter_mismatch: str | None) -> None:
+    """Refuse (ConfigError) a resume whose config cannot continue the run."""
     restart_hint = (
         f"or start a new run from this one's weights: pimm launch --train.config {saved.config_name} "
         f"--train.weight {saved.run_dir / 'model' / 'last'} -- <key>=<value>"
@@ -198,46 +233,14 @@ def check_resume_changes(saved: SavedRun, cfg: dict) -> dict[str, tuple]:
                 f"{restart_hint}"
             )
     model_keys = [k for k in changes if k.split(".")[0] == "model" or k == "data.num_classes"]
-    if model_keys:
-        problem = _parameter_mismatch(saved.cfg["model"], cfg["model"])
-        if problem:
-            key = model_keys[0]
-            old, new = changes[key]
-            raise ConfigError(
-                f"{key}: {old!r} in the run, {new!r} now: the model's parameters no longer match the "
-                f"checkpoint ({problem}); resume without it, {restart_hint}"
-            )
-    _check_schedule_length(saved, cfg, changes, restart_hint)
-    return changes
-
-
-def _parameter_mismatch(old_model: dict, new_model: dict) -> str | None:
-    """A short description of how the two models' parameters differ, None when they match.
-    (Builds both on the meta device: no memory, no weights.)"""
-    import torch  # deferred: torch takes seconds to import; only a resume that changes the model needs it
-
-    from pimm.models import build_model  # deferred: as above
-
-    with torch.device("meta"):
-        old = {k: tuple(v.shape) for k, v in build_model(old_model).state_dict().items()}
-        new = {k: tuple(v.shape) for k, v in build_model(new_model).state_dict().items()}
-    missing, extra = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
-    reshaped = [k for k in old.keys() & new.keys() if old[k] != new[k]]
-    parts = []
-    if reshaped:
-        k = sorted(reshaped)[0]
-        parts.append(f"{len(reshaped)} with a new shape, e.g. {k} {list(old[k])} -> {list(new[k])}")
-    if missing:
-        parts.append(f"{len(missing)} gone, e.g. {missing[0]}")
-    if extra:
-        parts.append(f"{len(extra)} new, e.g. {extra[0]}")
-    return "; ".join(parts) or None
-
-
-def _train_events(cfg: dict) -> int:
-    train = cfg["data"]["train"]
-    events = validate_data(train)["num_events"]
-    return min(events, train["max_len"]) if train.get("max_len") else events
+    if model_keys and parameter_mismatch:
+        key = model_keys[0]
+        old, new = changes[key]
+        raise ConfigError(
+            f"{key}: {old!r} in the run, {new!r} now: the model's parameters no longer match the "
+            f"checkpoint ({parameter_mismatch}); resume without it, {restart_hint}"
+        )
+    _check_schedule_length(saved, cfg, changes, train_then, train_now, restart_hint)
 
 
 def _fixed_length_key(cfg: dict) -> str | None:
@@ -252,7 +255,8 @@ def _fixed_length_key(cfg: dict) -> str | None:
     return length_key if length_key is not None and scheduler.get(length_key) is None else None
 
 
-def _check_schedule_length(saved: SavedRun, cfg: dict, changes: dict, restart_hint: str) -> None:
+def _check_schedule_length(saved: SavedRun, cfg: dict, changes: dict, train_then: TrainSet, train_now: TrainSet,
+                           restart_hint: str) -> None:
     length_inputs = [k for k in changes if k in ("epochs", "batch_size", "data.train.path", "data.train.max_len",
                                                  "data.train.split", "data.train.min_points",
                                                  "data.train.energy_threshold",
@@ -262,11 +266,7 @@ def _check_schedule_length(saved: SavedRun, cfg: dict, changes: dict, restart_hi
     if not length_inputs or length_key is None:
         return  # the schedule's length does not depend on the run's length
     scheduler = cfg["scheduler"]
-
-    def length(c: dict) -> int:
-        return int(c["epochs"]) * (_train_events(c) // int(c["batch_size"]))
-
-    before, after = length(saved.cfg), length(cfg)
+    before, after = _epochs_steps(saved.cfg, train_then), _epochs_steps(cfg, train_now)
     if before != after:
         key = length_inputs[0]
         old, new = changes[key]

@@ -1,5 +1,6 @@
 """Point-cloud models, built from config dicts through `MODELS`."""
 
+from pimm.models.detector import Detector, DetectorOutput
 from pimm.models.point_seg_net import Block, PointSegNet
 from pimm.models.point_transformer import PointTransformer, TransformerBlock
 from pimm.models.point_transformer_v3m2 import DefaultSegmentorV2, PointTransformerV3
@@ -9,6 +10,7 @@ MODELS = Registry("model")
 MODELS.register(PointSegNet)
 MODELS.register(PointTransformer)
 MODELS.register(DefaultSegmentorV2)
+MODELS.register(Detector, name="detector-v1m1")
 
 
 def build_model(cfg: dict):
@@ -16,5 +18,5 @@ def build_model(cfg: dict):
     return MODELS.build(cfg)
 
 
-__all__ = ["MODELS", "Block", "DefaultSegmentorV2", "PointSegNet", "PointTransformer", "PointTransformerV3",
+__all__ = ["MODELS", "Block", "DefaultSegmentorV2", "Detector", "DetectorOutput", "PointSegNet", "PointTransformer", "PointTransformerV3",
            "TransformerBlock", "build_model"]

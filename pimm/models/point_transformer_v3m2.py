@@ -524,6 +524,30 @@ class PointTransformerV3(nn.Module):
         return Features(x, levels, outputs)
 
 
+def grid_sample(coord: torch.Tensor, offset: torch.Tensor, grid_size: float, grid_origin: float
+                ) -> tuple[Level, torch.Tensor, torch.Tensor]:
+    """pimm's call of a PT-v3m2 model: points (N, 3) of the events `offset` -> (level 0 of their voxels,
+    each point's voxel, points per voxel); cell = floor((coord - grid_origin) / grid_size) minus the
+    event's smallest cell."""
+    batch = offset_to_batch_index(offset, len(coord))
+    num_events = len(offset)
+    cells = torch.floor((coord.double() - grid_origin) / grid_size).long()
+    corner = cells.new_full((num_events, 3), torch.iinfo(torch.int64).max)
+    corner.scatter_reduce_(0, batch.unsqueeze(1).expand_as(cells), cells, "amin")
+    return Level.of_cells(cells - corner[batch], batch, num_events, published=False)
+
+
+def point_features(result: Features, enc_mode: bool) -> torch.Tensor:
+    """Features per voxel of level 0: the decoder's output, or with enc_mode every encoder level up-cast
+    and concatenated, finest first (the published up_cast)."""
+    if not enc_mode:
+        return result.feat
+    feat = result.encoder_outputs[-1]
+    for s in range(len(result.levels) - 1, 0, -1):
+        feat = torch.cat([result.encoder_outputs[s - 1], feat.index_select(0, result.levels[s].parent)], dim=1)
+    return feat
+
+
 class DefaultSegmentorV2(nn.Module):
     """The published segmentor: `backbone` (PT-v3m2) and `seg_head` (Linear, or Linear-ReLU-Dropout-Linear
     with mlp_head, or none for num_classes=0), names as published. When the backbone ends on a pooled
@@ -556,24 +580,13 @@ class DefaultSegmentorV2(nn.Module):
                 p.requires_grad = False
 
     def point_features(self, result: Features) -> torch.Tensor:
-        """Features per voxel of level 0: the decoder's output, or the up-cast encoder levels."""
-        if not self.backbone.enc_mode:
-            return result.feat
-        feat = result.encoder_outputs[-1]
-        for s in range(len(result.levels) - 1, 0, -1):
-            feat = torch.cat([result.encoder_outputs[s - 1], feat.index_select(0, result.levels[s].parent)], dim=1)
-        return feat
+        return point_features(result, self.backbone.enc_mode)
 
     def forward(self, coord, feat: torch.Tensor | None = None, offset: torch.Tensor | None = None,
                 event_id: torch.Tensor | None = None):
         if isinstance(coord, Mapping):
             return {"seg_logits": self._forward_published(coord)}
-        batch = offset_to_batch_index(offset, len(coord))
-        num_events = len(offset)
-        cells = torch.floor((coord.double() - self.grid_origin) / self.grid_size).long()
-        corner = cells.new_full((num_events, 3), torch.iinfo(torch.int64).max)
-        corner.scatter_reduce_(0, batch.unsqueeze(1).expand_as(cells), cells, "amin")
-        level, voxel_of_point, counts = Level.of_cells(cells - corner[batch], batch, num_events, published=False)
+        level, voxel_of_point, counts = grid_sample(coord, offset, self.grid_size, self.grid_origin)
         voxel_feat = cluster_mean(feat, voxel_of_point, counts).to(feat.dtype)
         result = self.backbone.forward_levels(voxel_feat, level, event_id)
         return self.seg_head(self.point_features(result)).index_select(0, voxel_of_point)

@@ -12,10 +12,12 @@ from pimm.config.validate import task_loss
 from pimm.registry import Registry
 from pimm.tasks.base import Meter, Task, TaskOutput
 from pimm.tasks.losses import LOSSES
+from pimm.tasks.panoptic import Panoptic
 from pimm.tasks.segmentation import SemanticSegmentation, event_mean_loss
 
 TASKS = Registry("task")
 TASKS.register(SemanticSegmentation)
+TASKS.register(Panoptic)
 
 
 def build_task(cfg: dict) -> Task:
@@ -26,4 +28,4 @@ def build_task(cfg: dict) -> Task:
     return TASKS.build(task, num_classes=int(data["num_classes"]), class_names=data.get("names"))
 
 
-__all__ = ["LOSSES", "TASKS", "Meter", "SemanticSegmentation", "Task", "TaskOutput", "build_task", "event_mean_loss"]
+__all__ = ["LOSSES", "TASKS", "Meter", "Panoptic", "SemanticSegmentation", "Task", "TaskOutput", "build_task", "event_mean_loss"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -13,11 +14,12 @@ from torch import nn
 @dataclass
 class TaskOutput:
     """One forward: `loss` (scalar, mean over the batch's events: what is backpropagated),
-    `event_losses` (B,) each event's loss, `prediction` (the model output, for the meter)."""
+    `event_losses` (B,) each event's loss, `prediction` (the model output, for the meter: logits for
+    SemanticSegmentation, a pimm.models.detector.DetectorOutput for Panoptic)."""
 
     loss: torch.Tensor
     event_losses: torch.Tensor
-    prediction: torch.Tensor
+    prediction: Any
 
 
 class Meter(ABC):
@@ -42,6 +44,14 @@ class Task(ABC):
 
     @abstractmethod
     def make_meter(self, device: torch.device) -> Meter: ...
+
+    @abstractmethod
+    def summary(self, result: dict) -> str:
+        """One log line of a validation result (`make_meter().compute()`)."""
+
+    def must_be_finite(self, result: dict) -> dict:
+        """The part of a validation result whose non-finite numbers are worth a warning (all of it here)."""
+        return result
 
     def is_better(self, value: float | None, best: float) -> bool:
         """Is `value` of `best_metric` strictly better than `best` (not finite: nothing yet)?"""

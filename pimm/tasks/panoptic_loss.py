@@ -159,41 +159,52 @@ def _layer_terms(layer: LayerPrediction, target: EventTargets, weights: Detector
     return terms
 
 
-def _layer_loss(layer_events: list[tuple[LayerPrediction, EventTargets]], weights: DetectorLossWeights,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Each term's mean over the events where it is defined, then the weighted sum."""
-    per_event = [_layer_terms(layer, target, weights, generator) for layer, target in layer_events]
-    names = ("focal", "dice", "class", "class_matched", "class_no_object", "momentum", "vertex")
-    means = {name: torch.stack([t[name] for t in per_event if name in t]).mean()
-             for name in names if any(name in t for t in per_event)}
-    zero = layer_events[0][0].class_logits.new_zeros(()).float()
-    total = (weights.focal * means.get("focal", zero) + weights.dice * means.get("dice", zero)
-             + means["class"] + weights.momentum * means.get("momentum", zero)
-             + weights.vertex * means.get("vertex", zero))
-    return total, means
+def _weighted(terms: dict[str, torch.Tensor], weights: DetectorLossWeights) -> torch.Tensor:
+    """One layer's loss of one event: focal * focal + dice * dice + class + momentum * momentum + vertex * vertex,
+    a term the event does not define counting 0."""
+    total = terms["class"]
+    for name in ("focal", "dice", "momentum", "vertex"):
+        if name in terms:
+            total = total + getattr(weights, name) * terms[name]
+    return total
+
+
+def detector_event_losses(outputs: list[EventPrediction], targets: list[EventTargets],
+                          weights: DetectorLossWeights = DetectorLossWeights(),
+                          generators: list[torch.Generator | None] | None = None
+                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Each event's detector loss -> (event_losses (B,), named terms averaged over the events defining them).
+
+    An event's loss is loss(last layer) + weights.aux * sum of loss(layer l) over earlier layers, each layer
+    matched on its own (instance.py:88-110). Terms: the last layer's by name ("focal", "dice", "class",
+    "class_matched", "class_no_object", and "momentum", "vertex" where predicted and known), "aux{l}_{name}"
+    for layer l. `generators[b]` draws event b's matching points (only when it has more than match_points).
+    """
+    if len(outputs) != len(targets) or not outputs:
+        raise ValueError(f"detector_loss got {len(outputs)} predicted and {len(targets)} target events; "
+                         "pass one EventTargets per event of the batch")
+    generators = generators or [None] * len(outputs)
+    event_losses, per_event = [], []
+    for b, (prediction, target) in enumerate(zip(outputs, targets)):
+        if prediction.final.mask_logits.shape[1] != len(target.instance):
+            raise ValueError(f"event {b}: {prediction.final.mask_logits.shape[1]} predicted points but "
+                             f"{len(target.instance)} target points; targets must follow the model's points")
+        final = _layer_terms(prediction.final, target, weights, generators[b])
+        loss, terms = _weighted(final, weights), dict(final)
+        for layer_index, layer in enumerate(prediction.aux):
+            aux = _layer_terms(layer, target, weights, generators[b])
+            loss = loss + weights.aux * _weighted(aux, weights)
+            terms.update({f"aux{layer_index}_{name}": value for name, value in aux.items()})
+        event_losses.append(loss)
+        per_event.append(terms)
+    names = dict.fromkeys(name for terms in per_event for name in terms)
+    means = {name: torch.stack([t[name].detach() for t in per_event if name in t]).mean() for name in names}
+    return torch.stack(event_losses), means
 
 
 def detector_loss(outputs: list[EventPrediction], targets: list[EventTargets],
                   weights: DetectorLossWeights = DetectorLossWeights(),
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One batch's detector loss -> (total, named terms).
-
-    total = loss(last layer) + weights.aux * sum of loss(layer l) over earlier layers, each layer matched
-    on its own (instance.py:88-110); loss = focal * focal + dice * dice + class + momentum * momentum
-    + vertex * vertex. Terms: the last layer's by name ("focal", "dice", "class", "class_matched",
-    "class_no_object", and "momentum", "vertex" where predicted and known), "aux{l}_{name}" for layer l.
-    """
-    if len(outputs) != len(targets) or not outputs:
-        raise ValueError(f"detector_loss got {len(outputs)} predicted and {len(targets)} target events; "
-                         "pass one EventTargets per event of the batch")
-    for b, (prediction, target) in enumerate(zip(outputs, targets)):
-        if prediction.final.mask_logits.shape[1] != len(target.instance):
-            raise ValueError(f"event {b}: {prediction.final.mask_logits.shape[1]} predicted points but "
-                             f"{len(target.instance)} target points; targets must follow the model's points")
-    total, terms = _layer_loss([(p.final, t) for p, t in zip(outputs, targets)], weights, generator)
-    for layer_index in range(len(outputs[0].aux)):
-        aux_total, aux_terms = _layer_loss([(p.aux[layer_index], t) for p, t in zip(outputs, targets)], weights,
-                                           generator)
-        total = total + weights.aux * aux_total
-        terms.update({f"aux{layer_index}_{name}": value for name, value in aux_terms.items()})
-    return total, terms
+    """One batch's detector loss, the mean of `detector_event_losses` over its events -> (total, named terms)."""
+    event_losses, terms = detector_event_losses(outputs, targets, weights, [generator] * len(outputs))
+    return event_losses.mean(), terms

@@ -72,21 +72,9 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import gammaln
 
-EVENT_METRICS = (
-    "ari_all_labelled",
-    "ari_predicted_things",
-    "ami_all_labelled",
-    "purity",
-    "efficiency",
-    "dice",
-    "detection_precision",
-    "detection_recall",
-    "detection_f1",
-    "matched_iou",
-    "pq",
-    "sq",
-    "rq",
-)
+from pimm.names import PANOPTIC_EVENT_METRICS
+
+EVENT_METRICS = PANOPTIC_EVENT_METRICS  # the per-event metrics, in their column order
 STATE_KEYS = (
     "event_id",
     "event_values",

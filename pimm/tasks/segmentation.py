@@ -63,3 +63,8 @@ class SemanticSegmentation(Task):
     def make_meter(self, device: torch.device) -> Meter:
         return SegmentationMeter(self.num_classes, device, self.ignore_index)
 
+    def summary(self, result: dict) -> str:
+        per_class = " ".join(f"{n}={v:.3f}" for n, v in zip(self.class_names, result["iou"]))
+        return (f"loss {result['loss']:.4f} mIoU {result['miou']:.4f} acc {result['accuracy']:.4f} "
+                f"({result['events']} events) | {per_class}")
+

@@ -1,0 +1,174 @@
+"""The published query detector ("detector-v1m1"): a backbone's per-point features read by learned queries.
+
+`model = dict(type="detector-v1m1", num_classes=..., full_in_channels=..., backbone=dict(type="PT-v3m2", ...),
+...)` is the published config, pasted as it is (DeepLearnPhysics/pimm configs/panda/panseg/
+detector-v1m1-pt-v3m2-ft-{pid,vtx}-*.py; the class: pimm/models/panda_detector/detector_v1m1.py `Detector`).
+Parameter names are the published ones: `backbone.*` (PT-v3m2), `decoder.*` (pimm.models.query_detector's
+QueryDetector, and `decoder.stuff_head` with use_stuff_head), so published detector weights load by name.
+
+pimm's call `model(coord, feat, offset, event_id=None, segment=None)` grid-samples the points as
+DefaultSegmentorV2 does (grid_size, grid_origin), runs the backbone, and takes per voxel the decoder's
+output, or with enc_mode every encoder level up-cast and concatenated (full_in_channels wide). With
+use_stuff_head a point-wise classifier (stuff vs thing) picks the voxels the queries attend to: those
+with stuff probability < 0.5, or in training with train_filter_use_gt the true non-stuff ones (segment).
+Mask logits are computed per voxel and given to every point of that voxel; voxels left out as stuff get
+-1e4. In eval mode the output also holds each event's post-processed instances (thresholds from the
+config, published names: conf_threshold, mask_threshold, stuff_threshold, nms_sigma, min_points).
+
+What pimm does differently: an event whose every voxel is predicted stuff keeps its most thing-like voxel
+(published: an assertion error); attention-mask annealing, nms_pre / nms_max and fill_uncovered are
+refused at any value but the published recipes' (off); dropout and drop_path in the decoder likewise (0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pimm.config.validate import check_model_arguments
+from pimm.data.collate import offset_to_batch_index
+from pimm.models.point_seg_net import cluster_mean
+from pimm.models.point_transformer_v3m2 import PointTransformerV3, grid_sample, point_features
+from pimm.models.query_detector import PADDING_BIAS, EventInstances, EventPrediction, QueryDetector, \
+    instances_from_queries
+
+# the other published options with no effect here: enable_flash, upcast_attention, upcast_softmax (attention is
+# SDPA, in the autocast dtype) and attn_mask_anneal_steps / _warmup_steps / _progressive_delay (no annealing)
+
+
+@dataclass
+class DetectorOutput:
+    """One forward over a batch: per event the decoder's predictions (mask logits over the event's points),
+    the stuff logit per point (with use_stuff_head) and, in eval mode, each event's instances."""
+
+    events: list[EventPrediction]
+    stuff_logits: torch.Tensor | None  # (N,)
+    instances: list[EventInstances] | None = None
+
+
+class Detector(nn.Module):
+    """Backbone + query decoder (module docstring). Defaults are the published class's."""
+
+    def __init__(self, num_classes: int, full_in_channels: int, hidden_channels: int = 256, num_heads: int = 16,
+                 num_queries: int = 32, backbone: dict | None = None, criteria: list | None = None, depth: int = 3,
+                 mlp_ratio: float = 4.0, qkv_bias: bool = False, qk_scale: float | None = None,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, drop_path: float = 0.0,
+                 layer_scale: float | None = None, pre_norm: bool = True, enable_flash: bool = True,
+                 upcast_attention: bool = False, upcast_softmax: bool = False, pos_emb: bool = True,
+                 attn_mask_anneal: bool = False, attn_mask_anneal_steps: int = 10000,
+                 attn_mask_warmup_steps: int = 0, attn_mask_progressive: bool = False,
+                 attn_mask_progressive_delay: int = 0, query_type: str = "learned", use_stuff_head: bool = False,
+                 stuff_classes: list[int] | None = None, supervise_attn_mask: bool = True,
+                 train_filter_use_gt: bool = False, mlp_point_proj: bool = False, stuff_threshold: float = 0.5,
+                 mask_threshold: float = 0.5, conf_threshold: float = 0.5, nms_kernel: str = "gaussian",
+                 nms_sigma: float = 2.0, nms_pre: int = -1, nms_max: int = -1, min_points: int = 2,
+                 fill_uncovered: bool = False, momentum_head: bool = False, vertex_head: bool = False,
+                 grid_size: float = 1.0, grid_origin: float = 0.0) -> None:
+        super().__init__()
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        check_model_arguments("detector-v1m1", arguments)
+        stuff_classes = list(stuff_classes or [])
+        self.backbone = PointTransformerV3(**{k: v for k, v in backbone.items() if k != "type"})
+        self.decoder = QueryDetector(full_in_channels, num_classes, num_queries=num_queries,
+                                     hidden_channels=hidden_channels, num_heads=num_heads, depth=depth,
+                                     mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, point_position=pos_emb,
+                                     mlp_point_proj=mlp_point_proj, momentum_head=momentum_head,
+                                     vertex_head=vertex_head)
+        if use_stuff_head:  # detector_v1m1.py:684-689, named as published: decoder.stuff_head.{0,2}
+            self.decoder.stuff_head = nn.Sequential(nn.Linear(full_in_channels, hidden_channels), nn.ReLU(),
+                                                    nn.Linear(hidden_channels, 1))
+        self.num_classes = int(num_classes)
+        self.stuff_classes = tuple(int(c) for c in stuff_classes)
+        self.use_stuff_head = bool(use_stuff_head)
+        self.train_filter_use_gt = bool(train_filter_use_gt)
+        self.criteria = criteria  # the published losses: pimm's task computes them (task.loss)
+        self.postprocess = dict(score_threshold=float(conf_threshold), mask_threshold=float(mask_threshold),
+                                min_points=int(min_points), nms_sigma=float(nms_sigma),
+                                stuff_classes=self.stuff_classes)
+        self.stuff_threshold = float(stuff_threshold)
+        self.grid_size, self.grid_origin = float(grid_size), float(grid_origin)
+
+    def forward(self, coord: torch.Tensor, feat: torch.Tensor, offset: torch.Tensor,
+                event_id: torch.Tensor | None = None, segment: torch.Tensor | None = None) -> DetectorOutput:
+        num_events = len(offset)
+        level, voxel_of_point, counts = grid_sample(coord, offset, self.grid_size, self.grid_origin)
+        result = self.backbone.forward_levels(cluster_mean(feat, voxel_of_point, counts).to(feat.dtype), level,
+                                              event_id)
+        voxel_feat = point_features(result, self.backbone.enc_mode)
+        voxel_coord = cluster_mean(coord.to(feat.dtype), voxel_of_point, counts)
+        stuff_logits = None
+        attend = torch.ones(len(voxel_feat), dtype=torch.bool, device=feat.device)
+        if self.use_stuff_head:
+            stuff_logits = self.decoder.stuff_head(voxel_feat).squeeze(-1)
+            attend = self._thing_voxels(stuff_logits, level.batch, num_events, voxel_of_point, segment)
+        voxel_counts = torch.bincount(level.batch[attend], minlength=num_events)
+        events = self.decoder(voxel_feat[attend], voxel_counts.cumsum(0), voxel_coord[attend])
+        events = self._to_points(events, attend, level.batch, voxel_of_point,
+                                 offset_to_batch_index(offset, len(coord)), num_events)
+        point_stuff = stuff_logits.index_select(0, voxel_of_point) if stuff_logits is not None else None
+        output = DetectorOutput(events, point_stuff)
+        if not self.training:
+            output.instances = self.instances(output)
+        return output
+
+    def _thing_voxels(self, stuff_logits: torch.Tensor, voxel_event: torch.Tensor, num_events: int,
+                      voxel_of_point: torch.Tensor, segment: torch.Tensor | None) -> torch.Tensor:
+        """(V,) bool: the voxels the queries attend to, at least one per event."""
+        if self.training and self.train_filter_use_gt and segment is not None and self.stuff_classes:
+            stuff_point = torch.isin(segment, torch.tensor(self.stuff_classes, device=segment.device))
+            # a voxel is stuff when its every point is
+            thing = torch.zeros(len(stuff_logits), dtype=torch.bool, device=segment.device)
+            thing.index_fill_(0, voxel_of_point[~stuff_point], True)
+        else:
+            thing = stuff_logits.detach().sigmoid() < 0.5  # detector_v1m1.py:976
+        # an event with no thing voxel keeps its most thing-like one: the decoder needs a point per event
+        most_thing = torch.full((num_events,), torch.inf, device=stuff_logits.device).scatter_reduce(
+            0, voxel_event, stuff_logits.detach().float(), "amin")
+        has_thing = torch.zeros(num_events, dtype=torch.bool, device=thing.device).index_fill_(0, voxel_event[thing], True)
+        fallback = ~has_thing[voxel_event] & (stuff_logits.detach().float() == most_thing[voxel_event])
+        return thing | fallback
+
+    @staticmethod
+    def _to_points(events: list[EventPrediction], attend: torch.Tensor, voxel_event: torch.Tensor,
+                   voxel_of_point: torch.Tensor, point_event: torch.Tensor, num_events: int) -> list[EventPrediction]:
+        """Each event's mask logits over its attended voxels -> over its points (-1e4 where left out)."""
+        voxel_start = torch.bincount(voxel_event, minlength=num_events).cumsum(0).tolist()
+        point_start = torch.bincount(point_event, minlength=num_events).cumsum(0).tolist()
+        out = []
+        for b, prediction in enumerate(events):
+            v0, v1 = (voxel_start[b - 1] if b else 0), voxel_start[b]
+            p0, p1 = (point_start[b - 1] if b else 0), point_start[b]
+            column = torch.full((v1 - v0,), -1, dtype=torch.long, device=attend.device)
+            kept = attend[v0:v1]
+            column[kept] = torch.arange(int(kept.sum()), device=attend.device)
+            point_column = column[voxel_of_point[p0:p1] - v0]
+
+            def expand(mask_logits: torch.Tensor) -> torch.Tensor:
+                padded = torch.cat([mask_logits, mask_logits.new_full((len(mask_logits), 1), PADDING_BIAS)], 1)
+                return padded[:, torch.where(point_column < 0, mask_logits.shape[1], point_column)]
+
+            for layer in prediction.layers:
+                layer.mask_logits = expand(layer.mask_logits)
+            out.append(prediction)
+        return out
+
+    @torch.no_grad()
+    def instances(self, output: DetectorOutput) -> list[EventInstances]:
+        """Each event's post-processed instances; points whose stuff probability is >= stuff_threshold
+        are stuff (instance -1, class the first stuff class, score the stuff probability)."""
+        result, start = [], 0
+        for prediction in output.events:
+            layer = prediction.final
+            found = instances_from_queries(layer.class_logits, layer.mask_logits, **self.postprocess)
+            size = layer.mask_logits.shape[1]
+            if output.stuff_logits is not None and self.stuff_classes:
+                stuff_prob = output.stuff_logits[start:start + size].float().sigmoid()
+                stuff = stuff_prob >= self.stuff_threshold
+                found.instance[stuff] = -1
+                found.point_class[stuff] = self.stuff_classes[0]
+                found.score[stuff] = stuff_prob[stuff]
+            start += size
+            result.append(found)
+        return result
