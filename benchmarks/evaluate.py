@@ -66,6 +66,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from pimm.data.sampler import ShardedEvalSampler
     from pimm.distributed.env import all_reduce_max, all_reduce_sum, barrier, destroy_distributed, init_distributed
     from pimm.distributed.strategy import build_strategy
+    from pimm.config.validate import model_classes
     from pimm.engine.evaluation import evaluate_events, prediction_writer
     from pimm.models import build_model
     from pimm.tasks import build_task
@@ -101,7 +102,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
     def predictions_loop() -> None:
         part = parts / f"part{env.rank}.h5"
-        writer, on_batch = prediction_writer(part, dataset, cfg, "test", False,
+        writer, on_batch = prediction_writer(part, dataset, model_classes(cfg), "test", False,
                                              {"rank": env.rank, "world_size": env.world_size})
         evaluate_events(module, strategy, task, dataset, loader, sampler, env.device, on_batch=on_batch)
         writer.close()

@@ -24,6 +24,9 @@ model = dict(
     num_heads=4,
     depth=2,
     qkv_bias=True,
+    conf_threshold=0.5,  # post-processing (the published Detector's defaults), here to be overridden
+    mask_threshold=0.5,
+    stuff_threshold=0.5,
     backbone=dict(
         type="PT-v3m2",
         in_channels=4,
@@ -38,7 +41,9 @@ model = dict(
         shuffle_orders=True,
     ),
 )
-task = dict(_delete_=True, type="Panoptic", label="particle")
+# the Panoptic task's options at their defaults (pimm.tasks.panoptic); _delete_: the base sets SemanticSegmentation's
+task = dict(_delete_=True, type="Panoptic", label="particle", stuff_classes=None, best_metric="ari_all_labelled",
+            iou_threshold=0.5, loss=None, stuff_loss_weight=1.0)
 optimizer = dict(type="AdamW", lr=2e-3, weight_decay=0.01)
 
 _pilarnet = dict(type="PILArNetDataset", path="data/tests/pilarnet", revision="v2", label="pid", instances=True,

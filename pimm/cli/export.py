@@ -29,6 +29,7 @@ from pathlib import Path
 import pimm
 from pimm.checkpoint.choose import choose_weights
 from pimm.config import config_hash, read_run_config
+from pimm.config.validate import model_classes
 from pimm.errors import PimmError
 from pimm.files import atomic_path, os_error_reason, write_atomic
 from pimm.json_io import dumps
@@ -78,8 +79,8 @@ def export_config(cfg: dict, checkpoint: str, step: int | None, layout: str = "p
                         "remove them from model.* (weights belong in --train.weight)")
     return {
         "model": cfg["model"],
-        "class_names": list(cfg["data"].get("names") or []),
-        "num_classes": int(cfg["data"]["num_classes"]),
+        "class_names": model_classes(cfg)[1],
+        "num_classes": model_classes(cfg)[0],
         "preprocessing": preprocessing(cfg["data"]),
         "pimm_version": pimm.__version__,
         "checkpoint": checkpoint,

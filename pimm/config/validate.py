@@ -389,6 +389,16 @@ def loss_from_criteria(criteria: Any) -> list[dict]:
     return terms
 
 
+def model_classes(cfg: dict) -> tuple[int, list[str]]:
+    """(number, names) of the classes a config's model predicts: the data's, except for a Panoptic task on
+    interactions, whose classes are ("stuff", "interaction")."""
+    task = cfg.get("task") or {}
+    if task.get("type") == "Panoptic" and task.get("label") == "interaction":
+        return 2, ["stuff", "interaction"]
+    num_classes = int(cfg["data"]["num_classes"])
+    return num_classes, list(cfg["data"].get("names") or [str(i) for i in range(num_classes)])
+
+
 def task_loss(cfg: dict):
     """The loss a config trains with: task.loss, else the published model.criteria (for SemanticSegmentation
     as pimm's loss terms), else the task's default (DEFAULT_LOSS; None for Panoptic)."""

@@ -51,7 +51,8 @@ from pimm.engine.logs import setup_logging
 from pimm.engine.plot import plot_confusion
 from pimm.files import write_atomic
 from pimm.json_io import dumps
-from pimm.models import build_model
+from pimm.config.validate import model_classes
+from pimm.models import DetectorOutput, build_model
 from pimm.models.sparse_conv import apply_backends
 from pimm.signals import die_with_parent, loader_workers_forked
 from pimm.tasks import build_task
@@ -128,19 +129,25 @@ def point_index(dataset, index: int, count: int) -> np.ndarray:
     return out
 
 
-def prediction_writer(path: Path, dataset, cfg: dict, split: str, save_scores: bool, attrs: dict,
-                      has_labels: bool = True):
+def prediction_writer(path: Path, dataset, classes: tuple[int, list[str]], split: str, save_scores: bool,
+                      attrs: dict, has_labels: bool = True, model_cfg: dict | None = None, task=None):
     """(PredictionWriter of this rank's part, on_batch callback adding each batch's events to it);
-    without labels (`pimm predict`) the file has no `segment`. Parts are written uncompressed:
-    rank 0's merge reads them once and compresses the merged file."""
-    num_classes = int(cfg["data"]["num_classes"])
-    names = list(cfg["data"].get("names") or [str(i) for i in range(num_classes)])
+    `classes`: (number, names) of the model's classes (pimm.config.validate.model_classes). Without
+    labels (`pimm predict`) the file has no `segment`. Parts are written uncompressed: rank 0's merge
+    reads them once and compresses the merged file. A query detector (`model_cfg` of type detector-v1m1,
+    its output a DetectorOutput) writes per point its instance, class and score, and per event its
+    instances (`instance_table`); with labels (`task`: its Panoptic task) also the true class and instance."""
+    num_classes, names = classes
     sources, locate = prediction_sources(dataset)
+    detector = (model_cfg or {}).get("type") == "detector-v1m1"
     writer = PredictionWriter(path, num_classes=num_classes, class_names=names, split=split, sources=sources,
-                              save_scores=save_scores, has_labels=has_labels, attrs=attrs, compress=False)
+                              save_scores=save_scores and not detector, has_labels=has_labels, attrs=attrs,
+                              compress=False, has_instances=detector)
 
-    def add(batch: dict, logits: torch.Tensor) -> None:
-        logits = logits.float()
+    def add(batch: dict, prediction) -> None:
+        if isinstance(prediction, DetectorOutput):
+            return add_instances(batch, prediction)
+        logits = prediction.float()
         pred = logits.argmax(1).cpu().numpy()
         scores = torch.softmax(logits, 1).half().cpu().numpy() if save_scores else None
         coord = batch["coord"].cpu().numpy()
@@ -151,6 +158,32 @@ def prediction_writer(path: Path, dataset, cfg: dict, split: str, save_scores: b
             writer.add(event_id, source, source_index, pred[lo:hi], point_index(dataset, event_id, hi - lo),
                        coord[lo:hi], None if segment is None else segment[lo:hi],
                        None if scores is None else scores[lo:hi])
+
+    # a point of no instance that is not stuff is written with the first stuff class (0 without any)
+    unassigned_class = ((model_cfg or {}).get("stuff_classes") or [0])[0]
+
+    def add_instances(batch: dict, output: DetectorOutput) -> None:
+        coord = batch["coord"].cpu().numpy()
+        truth = task.truth(batch) if has_labels else None
+        ends = batch["offset"].cpu().tolist()
+        for b, (event_id, lo, hi) in enumerate(zip(batch["event_id"].tolist(), [0, *ends[:-1]], ends)):
+            found, final = output.instances[b], output.events[b].final
+            instance = found.instance.cpu().numpy()
+            point_class = found.point_class.cpu().numpy()
+            table = {"instance": np.arange(len(found.query)), "class": found.instance_class.cpu().numpy(),
+                     "score": found.instance_score.float().cpu().numpy(),
+                     "size": np.bincount(instance[instance >= 0], minlength=len(found.query))}
+            for side in ("momentum", "vertex"):
+                value = getattr(final, side)
+                if value is not None:
+                    table[side] = value[found.query].float().cpu().numpy()
+            source, source_index = locate(event_id)
+            writer.add(event_id, source, source_index, np.where(point_class < 0, unassigned_class, point_class),
+                       point_index(dataset, event_id, hi - lo), coord[lo:hi],
+                       None if truth is None else truth[0][lo:hi].cpu().numpy(), None,
+                       instance=instance, instance_score=found.score.float().cpu().numpy(),
+                       true_instance=None if truth is None else truth[1][lo:hi].cpu().numpy(),
+                       instance_table=table)
 
     return writer, add
 
@@ -263,8 +296,9 @@ def _evaluate(eval_dir: Path, spec: dict, env: DistEnv) -> None:
     facts = {"weights_sha256": spec["weights_sha256"], "config_hash": config_hash(cfg), "world_size": env.world_size,
              "pimm_version": __version__}
     if spec.get("save_predictions"):
-        writer, on_batch = prediction_writer(eval_dir / f"predictions.rank{env.rank}.h5", dataset, cfg, split,
-                                             bool(spec.get("save_scores")), {**facts, "rank": env.rank})
+        writer, on_batch = prediction_writer(eval_dir / f"predictions.rank{env.rank}.h5", dataset, model_classes(cfg),
+                                             split, bool(spec.get("save_scores")), {**facts, "rank": env.rank},
+                                             model_cfg=cfg["model"], task=task)
     started = time.perf_counter()
     meter = task.make_meter(env.device)
     result = _merged(eval_dir / PREDICTIONS_FILE, env, writer, lambda: evaluate_events(
@@ -298,12 +332,13 @@ def _predict(eval_dir: Path, spec: dict, env: DistEnv) -> None:
     model.to(env.device).eval()
     log.info("predicting %d events (%d per rank and batch) with %s on %d rank(s)", len(dataset), spec["batch_size"],
              spec["weights"], env.world_size)
-    cfg = {"data": {"num_classes": spec["num_classes"], "names": spec["class_names"]}}
     facts = {"weights_sha256": spec["weights_sha256"], "weights": spec["weights"], "checkpoint": spec["checkpoint"],
              "step": spec["step"], "data": spec["data_identity"], "world_size": env.world_size,
              "pimm_version": __version__}
-    writer, on_batch = prediction_writer(eval_dir / f"predictions.rank{env.rank}.h5", dataset, cfg, spec["split"],
-                                         bool(spec["save_scores"]), {**facts, "rank": env.rank}, has_labels=False)
+    writer, on_batch = prediction_writer(eval_dir / f"predictions.rank{env.rank}.h5", dataset,
+                                         (spec["num_classes"], spec["class_names"]), spec["split"],
+                                         bool(spec["save_scores"]), {**facts, "rank": env.rank}, has_labels=False,
+                                         model_cfg=spec["model"])
 
     @torch.no_grad()
     def predict() -> None:

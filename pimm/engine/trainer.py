@@ -27,6 +27,7 @@ from pimm.checkpoint.manager import CheckpointManager
 from pimm.checkpoint.state import capture, checkpoint_components, cursor_facts, restore
 from pimm.checkpoint.weights import load_pretrained, save, save_weight_file
 from pimm.config import config_hash
+from pimm.config.validate import model_classes
 from pimm.data.collate import collate_events, split_events
 from pimm.data.dataset import build_dataset
 from pimm.data.sampler import GlobalBatchSampler, ShardedEvalSampler
@@ -168,7 +169,7 @@ class Trainer:
     @staticmethod
     def _scalar_sinks(cfg: dict, run_dir: Path) -> list:
         """Rank 0's optional scalar sinks for the metrics records: TensorBoard, W&B (offline)."""
-        names = cfg["data"].get("names")
+        names = model_classes(cfg)[1]
         sinks: list = []
         if (cfg.get("tensorboard") or {}).get("enabled"):
             sinks.append(TensorBoardScalars(run_dir / "tensorboard", names))

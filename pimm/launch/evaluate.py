@@ -71,6 +71,8 @@ def prepare_test(run_dir: Path, split: str = "test", checkpoint: str | None = No
     plan_batches({**cfg, "batch_size": nproc, "grad_accum_steps": 1, "batch_size_val": None}, nproc)
     if save_scores and not save_predictions:
         raise PimmError("--save-scores adds the scores to the predictions file: give --save-predictions too")
+    if save_scores and cfg["model"]["type"] == "detector-v1m1":
+        raise PimmError(SCORES_OF_A_DETECTOR)
     which = checkpoint or default_checkpoint(run_dir)
     recorded_weights(run_dir, which)  # names what is available when there is no such checkpoint
     out = out or run_dir / "eval" / f"{split}-{which}"
@@ -83,6 +85,11 @@ def prepare_test(run_dir: Path, split: str = "test", checkpoint: str | None = No
                          ignore_index=(cfg.get("task") or {}).get("ignore_index", -1))
     return TestJob(run_dir, cfg, split, which, out, nproc, data["num_events"], bool(save_predictions),
                    bool(save_scores), list(overrides))
+
+
+# a query detector scores instances, not classes per point
+SCORES_OF_A_DETECTOR = ("--save-scores writes a semantic model's per-class scores; a detector's predictions file "
+                        "holds each point's instance score already: leave --save-scores out")
 
 
 def run_test(job: TestJob) -> int:

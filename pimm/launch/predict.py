@@ -18,6 +18,7 @@ from pimm.checkpoint.choose import default_checkpoint, recorded_weights
 from pimm.checkpoint.layout import sha256_file
 from pimm.checkpoint.weights import EXPORTED_CONFIG, EXPORTED_WEIGHTS, PUBLISHED_WEIGHTS, check_weights_fit
 from pimm.config import read_run_config
+from pimm.config.validate import model_classes
 from pimm.data.dataset import UNCHECKED_CLASSES
 from pimm.data.event_format import validate_event_file
 from pimm.data.pilarnet_file import DEFAULT_SPLIT, detect_revision, is_pilarnet, open_pilarnet
@@ -25,7 +26,7 @@ from pimm.data.transforms import preprocessing
 from pimm.engine.eval_dir import HELD_WEIGHTS, write_spec
 from pimm.errors import EXIT_FAILED, PimmError
 from pimm.files import os_error_reason
-from pimm.launch.evaluate import hold_checked, run_eval_dir
+from pimm.launch.evaluate import SCORES_OF_A_DETECTOR, hold_checked, run_eval_dir
 from pimm.launch.plan import resolve_nproc, visible_gpus
 
 
@@ -52,11 +53,10 @@ def _model_source(args: PredictRequest) -> dict:
         cfg = read_run_config(given / "config.py")
         which = args.checkpoint or default_checkpoint(given)
         weights, step, _ = recorded_weights(given, which)  # held when the ranks start (a training may rotate it)
-        data = cfg["data"]
-        num_classes = int(data["num_classes"])
-        reader = preprocessing(data)
+        num_classes, class_names = model_classes(cfg)
+        reader = preprocessing(cfg["data"])
         return {"model": cfg["model"], "num_classes": num_classes, "weights": weights, "step": step,
-                "class_names": list(data.get("names") or [str(i) for i in range(num_classes)]),
+                "class_names": class_names,
                 "checkpoint": which, "reader": reader, "run_dir": given}
     # an export in pimm's layout (model.safetensors) or the published one (model.pth: {"state_dict": module.*})
     exported = next((given / f for f in (EXPORTED_WEIGHTS, PUBLISHED_WEIGHTS) if (given / f).is_file()), None)
@@ -136,6 +136,8 @@ def prepare_predict(args: PredictRequest) -> tuple[dict, Path, Path, Path | None
     if not 1 <= source["num_classes"] <= 256 or len(source["class_names"]) != source["num_classes"]:
         raise PimmError(f"--weights {args.weights}: {source['num_classes']} classes named {source['class_names']}; "
                         "a predictions file holds 1..256 classes, one name each")
+    if args.save_scores and source["model"].get("type") == "detector-v1m1":
+        raise PimmError(SCORES_OF_A_DETECTOR)
     if source["run_dir"] is None:  # an export: nothing rewrites it
         check_weights_fit(source["weights"], source["model"])
     data, identity = _data_source(args, source["reader"])

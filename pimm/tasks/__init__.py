@@ -8,7 +8,7 @@ looks at labels or logits itself, so a second task (another label set, a regress
 class here, not a fork of the loop.
 """
 
-from pimm.config.validate import task_loss
+from pimm.config.validate import model_classes, task_loss
 from pimm.registry import Registry
 from pimm.tasks.base import Meter, Task, TaskOutput
 from pimm.tasks.losses import LOSSES
@@ -24,8 +24,8 @@ def build_task(cfg: dict) -> Task:
     """The task of a resolved config: `cfg["task"]` (type and options) with the data's classes."""
     task = {"type": "SemanticSegmentation", **(cfg.get("task") or {})}
     task["loss"] = task_loss(cfg)  # task.loss, or the published model.criteria
-    data = cfg["data"]
-    return TASKS.build(task, num_classes=int(data["num_classes"]), class_names=data.get("names"))
+    num_classes, class_names = model_classes(cfg)
+    return TASKS.build(task, num_classes=num_classes, class_names=class_names)
 
 
 __all__ = ["LOSSES", "TASKS", "Meter", "Panoptic", "SemanticSegmentation", "Task", "TaskOutput", "build_task", "event_mean_loss"]

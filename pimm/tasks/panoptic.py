@@ -30,7 +30,6 @@ from pimm.tasks.base import Meter, Task, TaskOutput
 from pimm.tasks.panoptic_loss import DetectorLossWeights, detector_event_losses, event_targets
 from pimm.tasks.panoptic_metrics import EVENT_METRICS, PanopticAccumulator
 
-INTERACTION_CLASSES = ("stuff", "interaction")
 # every name a validation result gives that can pick model_best.pth -> higher is better
 BEST_METRICS = {**{name: True for name in EVENT_METRICS}, "pq_pooled": True, "detection_f1_pooled": True,
                 "loss": False}
@@ -48,12 +47,9 @@ class Panoptic(Task):
         if best_metric not in BEST_METRICS:
             raise ValueError(f"task.best_metric={best_metric!r} is not allowed: use one of {', '.join(BEST_METRICS)}")
         self.label = label
-        if label == "interaction":
-            self.num_classes, self.class_names, default_stuff = 2, list(INTERACTION_CLASSES), [0]
-        else:
-            self.num_classes = int(num_classes)
-            self.class_names = list(class_names) if class_names else [str(i) for i in range(self.num_classes)]
-            default_stuff = [self.num_classes - 1]
+        self.num_classes = int(num_classes)  # pimm.config.validate.model_classes: 2 for interactions
+        self.class_names = list(class_names) if class_names else [str(i) for i in range(self.num_classes)]
+        default_stuff = [0] if label == "interaction" else [self.num_classes - 1]
         self.stuff_classes = tuple(int(c) for c in (default_stuff if stuff_classes is None else stuff_classes))
         bad = [c for c in self.stuff_classes if not 0 <= c < self.num_classes]
         if bad:

@@ -1,0 +1,155 @@
+"""The Panoptic task on the published detector (detector-v1m1): config checks, per-event losses, a 2-rank
+run with loader workers that resumes exactly, `pimm test` identical at 1 and 2 ranks, `pimm predict`."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, assert_bitwise_equal, losses, pimm_in_process, run_pimm, weights
+from pimm import names
+from pimm.config import apply_overrides, load_config, parse_overrides
+from pimm.config.validate import check_config
+from pimm.data.collate import collate_events
+from pimm.data.dataset import build_dataset
+from pimm.data.synth import write_pilarnet
+from pimm.errors import ConfigError
+from pimm.models import build_model
+from pimm.tasks import build_task
+from pimm.tasks.panoptic_loss import DetectorLossWeights
+
+CONFIG = "tests/tiny_panoptic"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("panoptic") / "pilarnet"
+    write_pilarnet(root, 16, seed=1, split="train", revision="v2")
+    write_pilarnet(root, 12, seed=2, split="val", revision="v2")
+    return root
+
+
+def tiny_config(shards: Path, *overrides: str) -> dict:
+    cfg = load_config(REPO / "configs" / f"{CONFIG}.py")
+    return apply_overrides(cfg, parse_overrides([f"data.train.path={shards}", f"data.val.path={shards}",
+                                                 *overrides]))
+
+
+def test_the_loss_weights_a_config_may_set_are_the_loss_fields():
+    assert names.PANOPTIC_LOSS_WEIGHTS == tuple(f.name for f in dataclasses.fields(DetectorLossWeights))
+    assert set(names.PUBLISHED_INSTANCE_LOSS.values()) <= set(names.PANOPTIC_LOSS_WEIGHTS)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.val.instances=false"], "data.val.instances=True"),
+    (["task.label=vertex"], "task.label='vertex' is not allowed"),
+    (["task.label=interaction"], "model.num_classes=6 but task.label='interaction' has 2 classes"),
+    (["task.stuff_classes=[6]"], "task.stuff_classes=[6] is not allowed: class 6 is outside 0..5"),
+    (["model.full_in_channels=32"], "model.full_in_channels=32 but the backbone gives 48 channels"),
+    (['task.loss={focl: 2.0}'], "task.loss.focl is not a Panoptic loss weight: did you mean 'focal'?"),
+    (["task.loss={dice: -1}"], "task.loss.dice=-1 is not allowed"),
+])
+def test_a_panoptic_config_the_run_cannot_train_is_refused_with_what_to_do(shards, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        check_config(tiny_config(shards, *overrides))
+
+
+def test_the_task_options_of_semantic_segmentation_and_the_detector_do_not_mix(shards):
+    cfg = tiny_config(shards)
+    cfg["task"] = {"type": "Panoptic", "label": "particle", "class_weights": None}
+    with pytest.raises(ConfigError, match="task.class_weights is an option of SemanticSegmentation.*_delete_=True"):
+        check_config(cfg)
+    cfg["task"] = {"type": "SemanticSegmentation"}
+    with pytest.raises(ConfigError, match="trained by the Panoptic task"):
+        check_config(cfg)
+    cfg = tiny_config(shards)
+    cfg["model"]["attn_mask_anneal"] = True
+    with pytest.raises(ConfigError, match="model.attn_mask_anneal=True is not allowed: .*not implemented"):
+        check_config(cfg)
+
+
+def test_a_refused_launch_starts_no_process(shards, tmp_path):
+    res = pimm_in_process(["launch", "--train.config", CONFIG, "--paths.exp-root", str(tmp_path / "exp"), "--",
+                           f"data.train.path={shards}", f"data.val.path={shards}", "task.label=interaction"])
+    assert res.returncode == 2 and "has 2 classes (stuff, interaction)" in res.stderr, res.stderr
+    assert not (tmp_path / "exp").exists()
+
+
+def test_an_events_loss_does_not_depend_on_the_events_beside_it(shards):
+    """Each event's loss (matching, mask, class and stuff terms) is the same alone as in a batch; the
+    batch's loss is their mean, so micro-batches and ranks add up to the same gradient."""
+    cfg = tiny_config(shards)
+    dataset = build_dataset({**cfg["data"]["train"]}, seed=0)
+    torch.manual_seed(0)
+    model = build_model(cfg["model"]).train()
+    model.backbone.begin_optimizer_step(1)  # as the trainer announces it: the step's keyed draws
+    task = build_task(cfg)
+    events = [dataset[i] for i in range(3)]
+    together = task.forward_loss(model, collate_events(events))
+    alone = torch.cat([task.forward_loss(model, collate_events([e])).event_losses for e in events])
+    torch.testing.assert_close(together.event_losses, alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together.loss, alone.mean(), rtol=1e-5, atol=1e-5)
+    assert bool(torch.isfinite(alone).all()) and float(alone.min()) > 0
+
+
+@pytest.fixture(scope="module")
+def detector_runs(shards, tmp_path_factory) -> dict[str, Path]:
+    """A 2-rank run with a loader worker per rank, uninterrupted; the same interrupted after step 3 and resumed."""
+    exp = tmp_path_factory.mktemp("detector_runs")
+    common = ["--resources.nproc-per-node", "2", "--run.no-timestamp", "--paths.exp-root", str(exp)]
+    data = [f"data.train.path={shards}", f"data.val.path={shards}", "num_worker=2", "log_event_ids=true"]
+    runs = {}
+    for name, extra in (("full", []), ("cut", ["debug.interrupt_at_step=3"])):
+        res = run_pimm(["launch", "--train.config", CONFIG, "--run.name", name, *common, "--", *data, *extra],
+                       cwd=REPO, timeout=300)
+        assert res.returncode == (0 if name == "full" else 75), res.stdout + res.stderr
+        runs[name] = exp / "tests" / name
+    res = run_pimm(["launch", "--train.resume", str(runs["cut"]), "--resources.nproc-per-node", "2"], cwd=REPO,
+                   timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    # weights as initialised (lr 0): a detector that has not learned no-object yet predicts instances
+    res = run_pimm(["launch", "--train.config", CONFIG, "--run.name", "young", "--run.no-timestamp", "--paths.exp-root",
+                    str(exp), "--", *data[:2], "optimizer.lr=0.0", "max_steps=1"], cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    runs["young"] = exp / "tests" / "young"
+    return runs
+
+
+def test_a_two_rank_detector_run_resumes_exactly(detector_runs):
+    full, cut = detector_runs["full"], detector_runs["cut"]
+    assert losses(full) == losses(cut)
+    assert_bitwise_equal(weights(full), weights(cut))
+    summary = json.loads((full / "summary.json").read_text())
+    assert summary["best_metric"] == "ari_all_labelled"
+    record = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()][-1]
+    assert record["kind"] == "val" and record["events"] == 12 and "pq" in record and "confusion" in record
+
+
+def test_pimm_test_gives_the_same_metrics_at_one_and_two_ranks(detector_runs, tmp_path):
+    """Every event counted once whatever the ranks (the detector as initialised, with every candidate query
+    kept, so that it predicts instances of every kind)."""
+    results = {}
+    for n in (1, 2):
+        out = tmp_path / f"t{n}"
+        res = run_pimm(["test", "--run-dir", str(detector_runs["young"]), "--split", "val", "--out", str(out),
+                        "--resources.nproc-per-node", str(n), "--", "model.conf_threshold=0.0"], cwd=REPO,
+                       timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "pimm test: ARI" in res.stdout
+        results[n] = json.loads((out / "test_metrics.json").read_text())
+        assert (out / "confusion.png").stat().st_size > 0
+        rows = list(csv.DictReader((out / "test_metrics_per_event.csv").open()))
+        assert sorted(int(r["event_id"]) for r in rows) == list(range(12))
+    one, two = results[1], results[2]
+    assert one["events"] == 12 and one["detection_precision_events"] > 0  # instances were predicted
+    assert one.keys() == two.keys()
+    for key in one:
+        if key == "loss":  # a float64 sum in another order
+            assert one[key] == pytest.approx(two[key], rel=1e-9)
+        else:
+            assert one[key] == two[key], key
