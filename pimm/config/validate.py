@@ -310,7 +310,19 @@ def check_config(cfg: dict) -> None:
     task = cfg.get("task") if isinstance(cfg.get("task"), dict) else {}
     if task.get("type") == "Panoptic":
         check_panoptic(cfg)
+    elif task.get("type") == "SelfDistillation":
+        unknown = sorted(set(task) - {"type"})
+        if unknown:
+            raise ConfigError(f"task.{unknown[0]} is not an option of SelfDistillation: its options are the model's "
+                              "(model.mask_size_base, model.teacher_temp_base, ...); write task = dict(_delete_=True, "
+                              "type='SelfDistillation')")
+        if model["type"] != "Sonata-v1m1":
+            raise ConfigError(f"task.type='SelfDistillation' trains model.type='Sonata-v1m1' (a student and an EMA "
+                              f"teacher), not {model['type']!r}; see configs/tests/tiny_pretrain.py")
     else:
+        if model["type"] == "Sonata-v1m1":
+            raise ConfigError("model.type='Sonata-v1m1' is trained by self-distillation: set "
+                              "task = dict(_delete_=True, type='SelfDistillation')")
         if model["type"] == "detector-v1m1":
             raise ConfigError("model.type='detector-v1m1' (a query detector) is trained by the Panoptic task: set "
                               "task=dict(type='Panoptic', label='particle' or 'interaction')")
@@ -554,6 +566,7 @@ _CRITERIA = Rule("a list of dict(type='CrossEntropyLoss' | 'LovaszLoss', loss_we
                  "losses; pimm computes the loss in the task: see task.loss)",
                  lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(c, dict) for c in v)))
 _PROBABILITY = Rule("a number in [0, 1]", lambda v: _is_number(v) and 0 <= v <= 1)
+_FRACTION = Rule("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1)
 
 
 def _ZERO(why: str) -> Rule:
@@ -643,6 +656,43 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
         "grid_size": number(0, strict=True),
         "grid_origin": Rule("a finite number", _is_number),
     },
+    # Sonata-style self-distillation (pimm.models.sonata): every published constructor argument, and pimm's own
+    "Sonata-v1m1": {
+        "backbone": component("backbone", names.BACKBONES),
+        "head_in_channels": integer(1, " (the up-cast features' width: the sum of the last up_cast_level + 1 "
+                                       "enc_channels)"),
+        "head_hidden_channels": integer(1),
+        "head_embed_channels": integer(1),
+        "head_num_prototypes": integer(1),
+        "teacher_custom": optional(DICT, "the teacher as the student"),
+        "num_global_view": Rule("1 or 2 (the published roll-mask loss pairs two global views)", lambda v: v in (1, 2)
+                                and _is_int(v)),
+        "num_local_view": integer(0),
+        "mask_size_start": number(0, strict=True),
+        "mask_size_base": number(0, strict=True),
+        "mask_size_warmup_ratio": _FRACTION,
+        "mask_ratio_start": _PROBABILITY,
+        "mask_ratio_base": _PROBABILITY,
+        "mask_ratio_warmup_ratio": _FRACTION,
+        "mask_jitter": optional(number(0, strict=False), "its schedule from mask_jitter_start to mask_jitter_base"),
+        "mask_jitter_start": number(0, strict=False),
+        "mask_jitter_base": number(0, strict=False),
+        "mask_jitter_warmup_ratio": _FRACTION,
+        "teacher_temp_start": number(0, strict=True),
+        "teacher_temp_base": number(0, strict=True),
+        "teacher_temp_warmup_ratio": _FRACTION,
+        "student_temp": number(0, strict=True),
+        "mask_loss_weight": number(0, strict=False),
+        "roll_mask_loss_weight": number(0, strict=False),
+        "unmask_loss_weight": number(0, strict=False),
+        "momentum_base": _PROBABILITY,
+        "momentum_final": _PROBABILITY,
+        "match_max_k": integer(1),
+        "match_max_r": number(0, strict=True),
+        "up_cast_level": integer(0),
+        "grid_size": number(0, strict=True),
+        "grid_origin": Rule("a finite number", _is_number),
+    },
 }
 
 
@@ -650,7 +700,6 @@ _ORDERS = names.SERIALIZATION_ORDERS
 _ORDER_NAMES = Rule(f"one of {', '.join(_ORDERS)} or a list of them",
                     lambda v: (v in _ORDERS) if isinstance(v, str) else (
                         isinstance(v, (list, tuple)) and len(v) > 0 and all(x in _ORDERS for x in v)))
-_FRACTION = Rule("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1)
 # PT-v3m2, the published backbone (pimm.models.point_transformer_v3m2): every published constructor argument
 BACKBONE_OPTIONS: dict[str, dict[str, Rule]] = {
     "PT-v3m2": {
@@ -736,6 +785,34 @@ def check_model(model: dict) -> None:
         _check_backbone(model.get("backbone"), "model.backbone")
     if model["type"] == "detector-v1m1":
         _check_detector(model)
+    if model["type"] == "Sonata-v1m1":
+        _check_sonata(model)
+
+
+def _check_sonata(model: dict) -> None:
+    """The self-distillation options that relate to each other and to the backbone."""
+    _check_backbone(model.get("backbone"), "model.backbone")
+    backbone = model["backbone"]
+    if backbone.get("enc_mode") is not True or backbone.get("mask_token") is not True:
+        raise ConfigError("model.backbone of Sonata-v1m1 must be an encoder with a mask token: set "
+                          "model.backbone.enc_mode=True and model.backbone.mask_token=True (as published)")
+    channels = list(backbone.get("enc_channels") or (32, 64, 128, 256, 512))
+    level = model.get("up_cast_level", 2)
+    if _is_int(level) and level >= len(channels):
+        raise ConfigError(f"model.up_cast_level={level} is not allowed: the encoder has {len(channels) - 1} pooled "
+                          f"levels; set it to at most {len(channels) - 1}")
+    width = sum(channels[len(channels) - 1 - level:]) if _is_int(level) else None
+    if width is not None and model.get("head_in_channels") != width:
+        raise ConfigError(f"model.head_in_channels={model.get('head_in_channels')!r} but the up-cast features are "
+                          f"{width} wide (the last {level + 1} enc_channels); set model.head_in_channels={width}")
+    weights = [model.get(k, d) for k, d in (("mask_loss_weight", 0.25), ("roll_mask_loss_weight", 0.25),
+                                            ("unmask_loss_weight", 0.5))]
+    if sum(weights) <= 0:
+        raise ConfigError("model.mask_loss_weight, roll_mask_loss_weight and unmask_loss_weight are all 0: "
+                          "nothing would be learned; give at least one a weight > 0")
+    if model.get("num_global_view", 2) == 1 and model.get("roll_mask_loss_weight", 0.25) > 0:
+        raise ConfigError("model.roll_mask_loss_weight > 0 needs two global views (model.num_global_view=2): the "
+                          "roll-mask loss matches each global view with the other")
 
 
 def _check_detector(model: dict) -> None:

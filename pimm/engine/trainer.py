@@ -495,7 +495,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for announce in self._step_listeners:  # every micro-batch of the step draws the step's randomness
             announce(self.state.step + 1)
-        for i, micro in enumerate(split_events(batch, accum)):
+        self.task.begin_step(self.state.step + 1, self.total_steps)
+        model = self.strategy.eval_module(self.module)
+        for i, micro in enumerate(self.task.prepare_step(model, split_events(batch, accum), device)):
             # gradients are reduced across ranks once per step: in the last micro-step's backward
             with self.strategy.no_gradient_sync(self.module) if i < accum - 1 else contextlib.nullcontext():
                 with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast):
@@ -510,6 +512,7 @@ class Trainer:
         if not torch.isfinite(grad_norm):
             self._stop_nonfinite(step_loss, grad_norm)
         self.optimizer.step()
+        self.task.after_optimizer_step(model)
         self.scheduler.step()
         return step_loss
 

@@ -2,6 +2,7 @@
 
 from pimm.models.detector import Detector, DetectorOutput
 from pimm.models.point_seg_net import Block, PointSegNet
+from pimm.models.sonata import Sonata
 from pimm.models.point_transformer import PointTransformer, TransformerBlock
 from pimm.models.point_transformer_v3m2 import DefaultSegmentorV2, PointTransformerV3
 from pimm.registry import Registry
@@ -11,6 +12,7 @@ MODELS.register(PointSegNet)
 MODELS.register(PointTransformer)
 MODELS.register(DefaultSegmentorV2)
 MODELS.register(Detector, name="detector-v1m1")
+MODELS.register(Sonata, name="Sonata-v1m1")
 
 
 def build_model(cfg: dict):

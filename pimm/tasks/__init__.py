@@ -9,23 +9,28 @@ class here, not a fork of the loop.
 """
 
 from pimm.config.validate import model_classes, task_loss
+from pimm.models.sonata import model_options
 from pimm.registry import Registry
 from pimm.tasks.base import Meter, Task, TaskOutput
 from pimm.tasks.losses import LOSSES
 from pimm.tasks.panoptic import Panoptic
 from pimm.tasks.segmentation import SemanticSegmentation, event_mean_loss
+from pimm.tasks.self_distillation import SelfDistillation
 
 TASKS = Registry("task")
 TASKS.register(SemanticSegmentation)
 TASKS.register(Panoptic)
+TASKS.register(SelfDistillation)
 
 
 def build_task(cfg: dict) -> Task:
     """The task of a resolved config: `cfg["task"]` (type and options) with the data's classes."""
     task = {"type": "SemanticSegmentation", **(cfg.get("task") or {})}
+    if task["type"] == "SelfDistillation":  # its options are the published model's (model_options)
+        return SelfDistillation(model_options(cfg["model"]), seed=int(cfg.get("seed") or 0))
     task["loss"] = task_loss(cfg)  # task.loss, or the published model.criteria
     num_classes, class_names = model_classes(cfg)
     return TASKS.build(task, num_classes=num_classes, class_names=class_names)
 
 
-__all__ = ["LOSSES", "TASKS", "Meter", "Panoptic", "SemanticSegmentation", "Task", "TaskOutput", "build_task", "event_mean_loss"]
+__all__ = ["LOSSES", "TASKS", "Meter", "Panoptic", "SelfDistillation", "SemanticSegmentation", "Task", "TaskOutput", "build_task", "event_mean_loss"]

@@ -49,6 +49,19 @@ class Task(ABC):
     def summary(self, result: dict) -> str:
         """One log line of a validation result (`make_meter().compute()`)."""
 
+    # the optimizer step's hooks, called by the trainer in this order; the defaults do nothing
+    def begin_step(self, step: int, total_steps: int) -> None:
+        """Before optimizer step `step` (1-based) of `total_steps`: set what depends on the global step."""
+
+    def prepare_step(self, model: nn.Module, micro_batches: list[dict], device: torch.device) -> list[dict]:
+        """The step's micro-batches (collated, on the host) -> what `forward_loss` gets for each, before any
+        backward: the place for work over the whole step (a normalisation over all its samples). `model` is
+        the unwrapped module (the strategy's eval_module)."""
+        return micro_batches
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        """After the optimizer step (an EMA teacher moves here); `model` as in prepare_step."""
+
     def must_be_finite(self, result: dict) -> dict:
         """The part of a validation result whose non-finite numbers are worth a warning (all of it here)."""
         return result
