@@ -2,25 +2,39 @@
 and the misclassified points side by side) or of a data file (truth), drawn as a PNG with
 matplotlib (3D and xy/xz/yz projections) or as an interactive 3D HTML page with plotly.
 
-Every panel costs one scatter call per class, never one per point: ~100k-point events draw in
-seconds."""
+Points are coloured by class, by instance (a panoptic model's predicted instances, or a PILArNet-M
+file's true particles or interactions), by particle type, or by error (wrong class, wrong
+instance); see COLOR_BY. Every panel costs one scatter call per colour group, never one per point:
+~100k-point events draw in seconds."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from pimm.data.pilarnet_file import detect_revision, is_pilarnet
+from pimm.data.pilarnet_file import PID_NAMES, detect_revision, is_pilarnet
 from pimm.data.predictions import is_predictions, open_predictions
 from pimm.errors import DataError, PimmError
+from pimm.panoptic_metrics import instance_overlap, match_instances
 
 PIP_DISPLAY = "pip install -e '.[display]'"  # plotly, for --html
 # class colours: no pure red or grey, which mark wrong and ignored points
 CLASS_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
                  "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354")
 IGNORED_COLOUR, CORRECT_COLOUR, WRONG_COLOUR = "#d0d0d0", "#b0b0b0", "#e4002b"
+WRONG_INSTANCE_COLOUR = "#0000ff"  # a point in the wrong instance (its class right): pure blue, in no palette
+# instance colours, qualitative and repeating after 20: tab20's dark then light halves without its
+# reds and greys (marks), filled up from tab20b
+INSTANCE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
+                    "#393b79", "#637939", "#8c6d31", "#7b4173", "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5",
+                    "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
+# what `pimm show --color-by` takes: class (the default), instance (predicted, or a data file's true
+# particles), interaction and pid (a PILArNet-M data file's truth), error (wrong class or instance)
+COLOR_BY = ("class", "instance", "interaction", "pid", "error")
+MATCH_IOU = 0.5  # a predicted instance is its true instance's match at IoU >= 0.5 (the detection metrics' threshold)
 PROJECTIONS = ((0, 1), (0, 2), (1, 2))  # xy, xz, yz
 AXES = "xyz"
 HTML_DECIMALS = 2  # coordinates in the HTML page: 1/100 of a voxel is below any detector's resolution
@@ -39,10 +53,32 @@ class DisplayError(PimmError):
     """An event display cannot be drawn (a missing optional package, an unwritable output path)."""
 
 
+class Group(NamedTuple):
+    """Points drawn alike: a legend name, a colour, which points, a marker size factor."""
+
+    name: str
+    colour: str
+    mask: np.ndarray
+    size: float = 1.0
+
+
+class Panel(NamedTuple):
+    """One column of a display: its header, its groups in drawing order, and whether it colours
+    by class (the legend then lists every class of the data set)."""
+
+    header: str
+    groups: list[Group]
+    classes: bool = False
+
+
 @dataclass
 class EventView:
     """What a display draws: coord (N, 3), truth and/or pred (N,) class per point (-1: ignored),
-    the data set's class names and a title."""
+    true_instance and/or pred_instance (N,) instance ids (-1: none), the data set's class names,
+    a title, what colours the points (`color_by`: "class", "instance" or "error"; a data file's
+    pid and interaction truth come as class and instance views) and `side_by_side` (truth and
+    prediction panels). `instance_name` names an instance in the legend (instance, particle,
+    interaction)."""
 
     coord: np.ndarray
     class_names: list[str]
@@ -50,6 +86,11 @@ class EventView:
     truth: np.ndarray | None = None
     pred: np.ndarray | None = None
     unit: str = COORD_UNIT
+    true_instance: np.ndarray | None = None
+    pred_instance: np.ndarray | None = None
+    instance_name: str = "instance"
+    color_by: str = "class"
+    side_by_side: bool = False
 
     def axis_title(self, axis: int) -> str:
         """'x (voxel)': the axis and the coordinates' unit."""
@@ -63,16 +104,62 @@ class EventView:
         """Labelled points whose prediction differs from the truth."""
         return self.labelled() & (self.pred != self.truth)
 
-    def columns(self) -> list[tuple[str, np.ndarray]]:
-        """(header, per-point colour key) of each column: classes 0.., -1 ignored; in the last
-        column of a view with truth and prediction, -2 correct and -3 wrong."""
-        cols = [(name, labels) for name, labels in (("truth", self.truth), ("prediction", self.pred))
-                if labels is not None]
-        if self.truth is not None and self.pred is not None:
+    def instance_slots(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(true, predicted) per-point colour slots of the instances (-1 none): a true instance's
+        slot is its id; a predicted instance matched to a true one (IoU >= MATCH_IOU) takes that
+        one's slot, so a pair looks alike side by side; the others follow the true ones in id order."""
+        true, pred = self.true_instance, self.pred_instance
+        if true is None or pred is None:
+            return true, pred
+        overlap, matches = _matched_instances(true, pred)
+        slot_of_pred = np.full(len(overlap.pred_ids), -1, np.int64)
+        slot_of_pred[overlap.pred_index[matches]] = overlap.true_ids[overlap.true_index[matches]]
+        unmatched = slot_of_pred < 0
+        first_free = int(overlap.true_ids.max()) + 1 if len(overlap.true_ids) else 0
+        slot_of_pred[unmatched] = first_free + np.arange(int(unmatched.sum()))
+        return true, np.where(overlap.pred_code >= 0, slot_of_pred[overlap.pred_code], -1)
+
+    def instance_wrong(self) -> np.ndarray:
+        """Labelled points whose predicted instance is not the match of their true instance (a
+        true stuff point must be in no predicted instance)."""
+        true, pred = self.instance_slots()
+        in_match = np.where(true >= 0, pred == true, pred < 0)  # matched pairs share a slot
+        return self.labelled() & ~in_match
+
+    def error_key(self) -> np.ndarray:
+        """Per point: -1 ignored, -2 correct, -4 wrong class, -5 wrong instance (class right)."""
+        key = np.where(self.labelled(), -2, -1)
+        if self.pred_instance is not None:
+            key[self.instance_wrong()] = -5
+        key[self.wrong()] = -4
+        return key
+
+    def columns(self) -> list[Panel]:
+        """The panels to draw, left to right (see `EventView`)."""
+        has_both = self.truth is not None and self.pred is not None
+        if self.color_by == "error":
+            shown = self._instance_panels() if self.pred_instance is not None else self._class_panels()
+            return [*(shown if self.side_by_side else []), Panel("errors", _mark_groups(self.error_key()))]
+        if self.color_by == "instance":
+            return self._instance_panels()
+        panels = self._class_panels()
+        if has_both and not self.side_by_side:
             key = np.where(self.labelled(), -2, -1)
             key[self.wrong()] = -3
-            cols.append(("correct / wrong", key))
-        return cols
+            panels.append(Panel("correct / wrong", _mark_groups(key)))
+        return panels
+
+    def _class_panels(self) -> list[Panel]:
+        return [Panel(header, _class_groups(labels, self.class_names), classes=True)
+                for header, labels in (("truth", self.truth), ("prediction", self.pred)) if labels is not None]
+
+    def _instance_panels(self) -> list[Panel]:
+        """Truth and prediction side by side, else the prediction (a data file: the truth)."""
+        true, pred = self.instance_slots()
+        if pred is not None and not self.side_by_side:
+            true = None
+        return [Panel(header, _instance_groups(slots, self.instance_name))
+                for header, slots in (("truth", true), ("prediction", pred)) if slots is not None]
 
 
 def accuracy_text(view: EventView) -> str:
@@ -85,21 +172,57 @@ def accuracy_text(view: EventView) -> str:
     return f"accuracy {1 - wrong / labelled:.1%} ({wrong} of {labelled} labelled points wrong)"
 
 
-def _groups(key: np.ndarray, class_names: list[str]) -> list[tuple[str, str, np.ndarray, float]]:
-    """(legend name, colour, point mask, size factor) per group of `key` present, drawn in this order:
-    ignored and correct first, then the classes, wrong last (on top, larger)."""
-    out = []
-    special = {-1: ("ignored", IGNORED_COLOUR, 1.0), -2: ("correct", CORRECT_COLOUR, 1.0),
-               -3: ("wrong", WRONG_COLOUR, 2.0)}
-    for value in (-1, -2, *range(len(class_names)), -3):
-        mask = key == value if value != -1 else (key == -1) | (key >= len(class_names)) | (key < -3)
-        if not mask.any():
-            continue
-        if value >= 0:
-            out.append((class_names[value], CLASS_COLOURS[value % len(CLASS_COLOURS)], mask, 1.0))
-        else:
-            out.append((*special[value][:2], mask, special[value][2]))
-    return out
+def instance_text(view: EventView) -> str:
+    """'5 predicted instances, 4 true, 3 matched (IoU >= 0.5)', '7 true particles', or '' without instances."""
+    true, pred = view.true_instance, view.pred_instance
+    count = {name: len(np.unique(ids[ids >= 0])) for name, ids in (("true", true), ("pred", pred)) if ids is not None}
+    if pred is None:
+        return f"{count['true']} true {view.instance_name}s" if true is not None else ""
+    if true is None:
+        return f"{count['pred']} predicted {view.instance_name}s"
+    matched = len(_matched_instances(true, pred)[1])
+    return (f"{count['pred']} predicted {view.instance_name}s, {count['true']} true, "
+            f"{matched} matched (IoU >= {MATCH_IOU})")
+
+
+def error_text(view: EventView) -> str:
+    """'12 wrong class, 30 wrong instance of 174 labelled points' for an error view, else ''."""
+    if view.color_by != "error":
+        return ""
+    key = view.error_key()
+    wrong_instance = f", {int((key == -5).sum())} wrong instance" if view.pred_instance is not None else ""
+    return f"{int((key == -4).sum())} wrong class{wrong_instance} of {int((key != -1).sum())} labelled points"
+
+
+def _matched_instances(true_instance: np.ndarray, pred_instance: np.ndarray) -> tuple[Any, np.ndarray]:
+    """(InstanceOverlap, matched cells at IoU >= MATCH_IOU) of one event, as the panoptic metrics match."""
+    overlap = instance_overlap(true_instance, pred_instance)
+    return overlap, match_instances(overlap, MATCH_IOU)
+
+
+def _class_groups(labels: np.ndarray, class_names: list[str]) -> list[Group]:
+    """Ignored points (a label outside 0..C-1) first, then one group per class present."""
+    groups = [Group("ignored", IGNORED_COLOUR, (labels < 0) | (labels >= len(class_names)))]
+    groups += [Group(name, CLASS_COLOURS[k % len(CLASS_COLOURS)], labels == k) for k, name in enumerate(class_names)]
+    return [g for g in groups if g.mask.any()]
+
+
+def _instance_groups(slots: np.ndarray, name: str) -> list[Group]:
+    """Points of no instance first (grey), then one group per instance slot present."""
+    groups = [Group(f"no {name}", IGNORED_COLOUR, slots < 0)]
+    groups += [Group(f"{name} {k}", INSTANCE_COLOURS[k % len(INSTANCE_COLOURS)], slots == k)
+               for k in np.unique(slots[slots >= 0]).tolist()]
+    return [g for g in groups if g.mask.any()]
+
+
+_MARKS = {-1: ("ignored", IGNORED_COLOUR, 1.0), -2: ("correct", CORRECT_COLOUR, 1.0), -3: ("wrong", WRONG_COLOUR, 2.0),
+          -5: ("wrong instance", WRONG_INSTANCE_COLOUR, 2.0), -4: ("wrong class", WRONG_COLOUR, 2.0)}
+
+
+def _mark_groups(key: np.ndarray) -> list[Group]:
+    """One group per mark of `key` present (ignored, correct, wrong...), wrong ones last: on top, larger."""
+    return [Group(name, colour, key == value, size) for value, (name, colour, size) in _MARKS.items()
+            if (key == value).any()]
 
 
 def scene_box(coord: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -116,15 +239,16 @@ def scene_box(coord: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return centre - half, centre + half
 
 
-def default_output(path: str | Path, event_id: int, split: str, html: bool) -> Path:
+def default_output(path: str | Path, event_id: int, split: str, html: bool, color_by: str = "class",
+                   side_by_side: bool = False) -> Path:
     """Where `pimm show` writes without --out: `display/<file stem>-event_<ID>.png` (or .html) in the
     folder of the file it draws (a prediction file's evaluation folder, say), or
-    `display/<split>-event_<ID>.png` inside a directory of PILArNet-M shards."""
+    `display/<split>-event_<ID>.png` inside a directory of PILArNet-M shards; another colouring than
+    class adds `-<color_by>`, --side-by-side `-side_by_side`, so each view keeps its own file."""
     path = Path(path)
-    suffix = "html" if html else "png"
-    if path.is_dir():
-        return path / DISPLAY_DIR / f"{split}-event_{event_id}.{suffix}"
-    return path.parent / DISPLAY_DIR / f"{path.stem}-event_{event_id}.{suffix}"
+    view = (f"-{color_by}" if color_by != "class" else "") + ("-side_by_side" if side_by_side else "")
+    name = f"{split if path.is_dir() else path.stem}-event_{event_id}{view}.{'html' if html else 'png'}"
+    return (path if path.is_dir() else path.parent) / DISPLAY_DIR / name
 
 
 def make_output_folder(out: Path) -> None:
@@ -163,10 +287,13 @@ def draw_png(view: EventView, out: str | Path) -> Path:
     shape = (2, 2) if single else (4, len(columns))
     fig = plt.figure(figsize=(11, 10.5) if single else (4.6 * len(columns), 17), layout="constrained")
     low, high = scene_box(coord)
-    legend: dict[str, str] = {}
-    for col, (header, key) in enumerate(columns):
-        groups = _groups(key, view.class_names)
-        legend.update({name: colour for name, colour, _, _ in groups})
+    legend: dict[str, str] = {}  # legend name -> colour, in order: a class panel's every class, then its groups
+    for col, (header, groups, classes) in enumerate(columns):
+        if classes:
+            for k, name in enumerate(view.class_names):
+                legend.setdefault(name, CLASS_COLOURS[k % len(CLASS_COLOURS)])
+        for group in groups:
+            legend.setdefault(group.name, group.colour)
         for row in range(4):
             index = row + 1 if single else row * len(columns) + col + 1
             if row == 0:
@@ -188,11 +315,11 @@ def draw_png(view: EventView, out: str | Path) -> Path:
                 ax.set_aspect("equal", adjustable="datalim")
                 ax.set(xlabel=view.axis_title(i), ylabel=view.axis_title(j))
                 ax.set_title(f"{header}: {AXES[i]}{AXES[j]}")
-    # every class of the data set, in class order, then the marks that are not classes
-    names = [*view.class_names, *(n for n in ("ignored", "correct", "wrong") if n in legend)]
-    colours = {**{n: CLASS_COLOURS[k % len(CLASS_COLOURS)] for k, n in enumerate(view.class_names)}, **legend}
-    handles = [Line2D([], [], marker="o", linestyle="", markersize=8, color=colours[n], label=n) for n in names]
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), frameon=False)
+    handles = [Line2D([], [], marker="o", linestyle="", markersize=8, color=colour, label=name)
+               for name, colour in legend.items()]
+    # as many legend columns as fit the figure's width (~1.35 inch an entry), at most 8
+    ncol = min(len(handles), 8, int(fig.get_figwidth() / 1.35))
+    fig.legend(handles=handles, loc="outside lower center", ncol=ncol, frameon=False)
     fig.suptitle(view.title)
     tmp = out.with_name(f".{out.name}.tmp.png")
     try:
@@ -250,11 +377,11 @@ def write_html(view: EventView, out: str | Path) -> Path:
     # plain lists, not numpy arrays: plotly would encode arrays in base64, hiding the numbers
     coord = np.round(np.asarray(view.coord, dtype=np.float64), HTML_DECIMALS)
     fig = make_subplots(rows=1, cols=len(columns), specs=[[{"type": "scene"}] * len(columns)],
-                        subplot_titles=[header for header, _ in columns], horizontal_spacing=HTML_SPACING)
+                        subplot_titles=[panel.header for panel in columns], horizontal_spacing=HTML_SPACING)
     size = float(np.clip(_marker_size(len(coord)) ** 0.5, 1.0, 4.0))
     shown: set[str] = set()
-    for col, (_, key) in enumerate(columns):
-        for name, colour, mask, factor in _groups(key, view.class_names):
+    for col, panel in enumerate(columns):
+        for name, colour, mask, factor in panel.groups:
             c = coord[mask]
             fig.add_trace(go.Scatter3d(x=c[:, 0].tolist(), y=c[:, 1].tolist(), z=c[:, 2].tolist(), mode="markers",
                                        name=name, legendgroup=name, showlegend=name not in shown,
@@ -285,38 +412,77 @@ def write_html(view: EventView, out: str | Path) -> Path:
 # ----------------------------------------------------------------------------- loading one event
 
 
-def load_event(path: str | Path, event_id: int, split: str = "train") -> EventView:
-    """Event `event_id` of a prediction file (truth when labelled, prediction), or of a data file
-    (truth only): a pimm event file, or PILArNet-M shards (a shard or a directory; `split` picks
-    <path>/*<split>/*.h5). For a data file the id is the dataset index with the reader's
-    default selection (every event with a point). DataError saying what is wrong otherwise."""
+def load_event(path: str | Path, event_id: int, split: str = "train", color_by: str = "class",
+               side_by_side: bool = False) -> EventView:
+    """Event `event_id` of a prediction file (truth when labelled, prediction, instances when it has
+    them), or of a data file (truth only): a pimm event file, or PILArNet-M shards (a shard or a
+    directory; `split` picks <path>/*<split>/*.h5). For a data file the id is the dataset index with
+    the reader's default selection (every event with a point). `color_by` (COLOR_BY) and
+    `side_by_side` say what is drawn; a combination the file cannot give is a DisplayError naming
+    the option and what to do. DataError saying what is wrong with the file otherwise."""
     path = Path(path)
+    if color_by not in COLOR_BY:
+        raise DisplayError(f"--color-by {color_by!r} is not one of {', '.join(COLOR_BY)}")
     if is_predictions(path):
         with open_predictions(path) as preds:
+            _check_prediction_options(path, preds.has_labels, preds.has_instances, color_by, side_by_side)
             event = preds.read_event(event_id)
             class_names = preds.class_names
         view = EventView(coord=event["coord"], class_names=class_names, title="",
                          truth=event["segment"].astype(np.int64) if "segment" in event else None,
-                         pred=event["pred"].astype(np.int64))
+                         pred=event["pred"].astype(np.int64), color_by=color_by, side_by_side=side_by_side)
+        if "instance" in event:
+            view.pred_instance = event["instance"].astype(np.int64)
+            view.true_instance = event["true_instance"].astype(np.int64) if "true_instance" in event else None
         origin = f"from {Path(event['source']).name} #{event['source_index']}"
     elif not path.exists():
         raise DataError(f"{path}: no such file or directory; give a prediction file (from `pimm test` or "
                         "`pimm predict`) or a data file")
     else:
-        coord, truth, class_names = _read_data_event(path, event_id, split)
-        view = EventView(coord=coord, class_names=class_names, title="", truth=truth)
+        view = _data_view(path, event_id, split, color_by, side_by_side)
         origin = "truth"
-    stats = ", ".join(s for s in (f"{len(view.coord):,} points", accuracy_text(view)) if s)
-    view.title = f"{path.name}  event {event_id} ({origin})\n{stats}"
+    stats = [f"{len(view.coord):,} points", instance_text(view) if color_by != "class" else "",
+             error_text(view) or (accuracy_text(view) if color_by == "class" else "")]
+    colouring = "" if color_by == "class" else f", by {color_by}"
+    view.title = f"{path.name}  event {event_id} ({origin}{colouring})\n{', '.join(s for s in stats if s)}"
     return view
 
 
-def _read_data_event(path: Path, event_id: int, split: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """(coord, truth, class names) of one event of a data file, read as pimm's datasets read it."""
+def _check_prediction_options(path: Path, has_labels: bool, has_instances: bool, color_by: str,
+                              side_by_side: bool) -> None:
+    """DisplayError for what a prediction file with these contents cannot show."""
+    if color_by in ("interaction", "pid"):
+        raise DisplayError(f"--color-by {color_by} colours the truth of PILArNet-M data; {path} is a prediction file: "
+                           "use --color-by instance for its instances, or class")
+    if color_by == "instance" and not has_instances:
+        raise DisplayError(f"--color-by instance: {path} holds no instance predictions (a semantic segmentation "
+                           "model's); use --color-by class or error, or the predictions of a Panoptic model")
+    unlabelled = (f"{path} has no truth (predictions of unlabelled data, from `pimm predict`); use the predictions "
+                  "of `pimm test --save-predictions`")
+    if color_by == "error" and not has_labels:
+        raise DisplayError(f"--color-by error compares the prediction with the truth, and {unlabelled}, or "
+                           "--color-by class or instance")
+    if side_by_side and not has_labels:
+        raise DisplayError(f"--side-by-side puts the truth beside the prediction, and {unlabelled}, or leave "
+                           "--side-by-side out")
+
+
+def _data_view(path: Path, event_id: int, split: str, color_by: str, side_by_side: bool) -> EventView:
+    """The truth of one event of a data file, read as pimm's datasets read it, for `color_by`."""
     from pimm.data.dataset import LArTPCDataset, PILArNetDataset  # deferred: torch, only to draw a data file
 
+    if color_by == "error":
+        raise DisplayError(f"--color-by error compares a prediction with the truth; {path} is a data file (truth "
+                           "only): give a prediction file from `pimm test --save-predictions`")
+    if side_by_side:
+        raise DisplayError(f"--side-by-side puts the truth beside a prediction; {path} is a data file (truth "
+                           "only): leave --side-by-side out, or give a prediction file")
+    instances = color_by != "class"
     if is_pilarnet(path):
-        dataset = PILArNetDataset(path, split=split, revision=detect_revision(path, split))
+        dataset = PILArNetDataset(path, split=split, revision=detect_revision(path, split), instances=instances)
+    elif instances:
+        raise DisplayError(f"--color-by {color_by} shows instance labels, which a pimm event file ({path}) does not "
+                           "have; use PILArNet-M data (a shard or a directory), or --color-by class")
     else:
         dataset = LArTPCDataset(path)
     try:
@@ -324,6 +490,17 @@ def _read_data_event(path: Path, event_id: int, split: str) -> tuple[np.ndarray,
         if not 0 <= event_id < n:
             raise DataError(f"event {event_id} is not in {path} (it holds {n} events, ids 0..{n - 1})")
         raw = dataset.read_raw(event_id)
-        return raw["coord"], raw["segment"].astype(np.int64), list(dataset.class_names)
+        if color_by == "pid" and "pid" not in raw:
+            raise DisplayError(f"--color-by pid: {path} (PILArNet-M revision {dataset.revision}) has no particle "
+                               "types; use --color-by class, instance or interaction")
+        view = EventView(coord=raw["coord"], class_names=list(dataset.class_names), title="",
+                         truth=raw["segment"].astype(np.int64))
+        if color_by == "pid":
+            view.class_names, view.truth = list(PID_NAMES), raw["pid"].astype(np.int64)
+        elif instances:  # instance: the true particles; interaction: the true interactions
+            view.color_by = "instance"
+            view.instance_name = "interaction" if color_by == "interaction" else "particle"
+            view.true_instance = raw[view.instance_name].astype(np.int64)
+        return view
     finally:
         dataset.close()

@@ -15,7 +15,7 @@ FEATURE_COLUMNS = ("x", "y", "z", "log_energy")
 FEATURE_MODES = ("pimm", "published")
 TASKS = ("SemanticSegmentation", "Panoptic", "SelfDistillation")  # pimm.tasks
 PANOPTIC_LABELS = ("particle", "interaction")  # Panoptic label=...: what an instance is
-# the per-event metrics of a Panoptic evaluation (pimm.tasks.panoptic_metrics); each may be task.best_metric
+# the per-event metrics of a Panoptic evaluation (pimm.panoptic_metrics); each may be task.best_metric
 PANOPTIC_EVENT_METRICS = ("ari_all_labelled", "ari_predicted_things", "ami_all_labelled", "purity", "efficiency", "dice",
                           "detection_precision", "detection_recall", "detection_f1", "matched_iou", "pq", "sq", "rq")
 # Panoptic task.loss: DetectorLossWeights fields (pimm.tasks.panoptic_loss), and the published criterion's names for them

@@ -11,16 +11,22 @@ for what they import and this machine lacks, without changing what they compute:
 * `addict.Dict` -> a dict with attribute access;
 * spconv's `SubMConv3d` adds its bias after the convolution (spconv's CPU eval path refuses a bias);
 * `flash_attn.flash_attn_varlen_qkvpacked_func` -> exact attention per window of `cu_seqlens`, and the
-  published cast of q, k, v to bfloat16 before flash is removed, so the reference is float32 throughout.
+  published cast of q, k, v to bfloat16 before flash is removed, so the reference is float32 throughout;
+* `timm`'s `trunc_normal_` -> torch's, and the detector's `get_world_size` -> 1 (one process builds it).
 
-Two commands:
+Three commands:
 
     python scripts/published_reference.py manifest --published MIRROR --out tests/data/published_ptv3m2_manifest.json
     python scripts/published_reference.py outputs --published MIRROR --out tests/data/published_ptv3m2_outputs.pt
+    python scripts/published_reference.py detector-manifest --published MIRROR \
+        --out tests/data/published_detector_manifest.json
 
 `manifest` builds the published segmentor for each configuration of `CONFIGURATIONS` and writes every
 state_dict entry's name, shape and dtype; `outputs` writes small seeded models' weights, inputs and
-the published eval outputs (per-point logits) for pimm's tests to compare against.
+the published eval outputs (per-point logits) for pimm's tests to compare against; `detector-manifest`
+builds the published Detector (detector-v1m1, with its MaskQueryDecoder) from the `model` of each recipe in
+`DETECTOR_RECIPES`, read from the published config file itself, and writes that model config and every
+state_dict entry's name, shape and dtype.
 """
 
 from __future__ import annotations
@@ -47,7 +53,11 @@ PUBLISHED_FILES = {
     "pimm/models/utils/serialization/z_order.py": "utils/serialization/z_order.py",
     "pimm/models/modules.py": "modules.py",
     "pimm/models/default.py": "default.py",
+    "pimm/models/panda_detector/detector_v1m1.py": "detector_v1m1.py",
+    "pimm/models/panda_detector/postprocess.py": "postprocess.py",
 }
+# the published detector recipes whose model detector-manifest builds, at their published widths
+DETECTOR_RECIPES = {name: f"configs/panda/panseg/detector-v1m1-pt-v3m2-ft-{name}.py" for name in ("pid-dec", "vtx-dec")}
 
 # the published recipes' backbones (configs/panda/semseg/semseg-pt-v3m2-pilarnet-ft-5cls-*.py) and the
 # variants the published code builds (LayerScale off, mask token, encoder only)
@@ -110,8 +120,14 @@ def _flash_varlen(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None
     return out
 
 
+def published_text(mirror: Path, path: str) -> str:
+    """A file of the published repository's HEAD."""
+    return subprocess.run(["git", "-C", str(mirror), "show", f"HEAD:{path}"], check=True, capture_output=True,
+                          text=True).stdout
+
+
 def load_published(mirror: Path) -> types.ModuleType:
-    """The published DefaultSegmentorV2 / PT-v3m2 as an importable package `published_pimm`."""
+    """The published DefaultSegmentorV2, PT-v3m2 and Detector as an importable package `published_pimm`."""
     import spconv.pytorch as spconv
 
     class SubMConv3dBiasAfter(spconv.SubMConv3d):
@@ -128,7 +144,7 @@ def load_published(mirror: Path) -> types.ModuleType:
     _stub("addict", Dict=_AttrDict)
     _stub("timm")
     _stub("timm.models")
-    _stub("timm.models.layers", DropPath=_DropPath)
+    _stub("timm.models.layers", DropPath=_DropPath, trunc_normal_=torch.nn.init.trunc_normal_)
     _stub("torch_scatter", segment_csr=lambda src, indptr, reduce="sum": torch.segment_reduce(
         src, reduce, offsets=indptr, axis=0))
     _stub("pointops")
@@ -140,14 +156,14 @@ def load_published(mirror: Path) -> types.ModuleType:
 
     root = Path(tempfile.mkdtemp(prefix="published-pimm-")) / "published_pimm"
     for source, target in PUBLISHED_FILES.items():
-        text = subprocess.run(["git", "-C", str(mirror), "show", f"HEAD:{source}"], check=True,
-                              capture_output=True, text=True).stdout
+        text = published_text(mirror, source)
         for old, new in (("from pimm.models.utils", "from published_pimm.utils"),
                          ("from pimm.models.modules", "from published_pimm.modules"),
                          ("from pimm.models.builder", "from published_pimm.builder"),
                          ("from pimm.models.losses", "from published_pimm.builder"),
                          ("from .builder", "from published_pimm.builder"),
                          ("from pimm.engines.hooks import HookBase", "HookBase = object"),
+                         ("from pimm.utils.comm", "from published_pimm.comm"),
                          ("qkv.to(torch.bfloat16)", "qkv")):  # the last: the reference attends in float32
             text = text.replace(old, new)
         path = root / target
@@ -156,6 +172,7 @@ def load_published(mirror: Path) -> types.ModuleType:
     (root / "utils" / "__init__.py").write_text(
         "from .misc import offset2batch, offset2bincount, bincount2offset, batch2offset, off_diagonal\n")
     (root / "__init__.py").write_text("")
+    (root / "comm.py").write_text("def get_world_size():\n    return 1\n")
     (root / "builder.py").write_text(
         "class Registry(dict):\n"
         "    def register_module(self, name=None, module=None):\n"
@@ -171,6 +188,7 @@ def load_published(mirror: Path) -> types.ModuleType:
         "    return None\n")
     sys.path.insert(0, str(root.parent))
     import published_pimm.default  # noqa: F401  (registers DefaultSegmentorV2)
+    import published_pimm.detector_v1m1  # noqa: F401  (registers detector-v1m1)
     import published_pimm.ptv3m2  # noqa: F401  (registers PT-v3m2)
     from published_pimm import builder
 
@@ -183,6 +201,25 @@ def manifest(builder) -> dict:
         model = builder.build_model(cfg)
         out[name] = {"config": cfg, "state_dict": {k: [list(v.shape), str(v.dtype).replace("torch.", "")]
                                                        for k, v in model.state_dict().items()}}
+    return out
+
+
+def published_model_config(mirror: Path, path: str) -> dict:
+    """The `model` dict of a published config file (it imports nothing and reads only its own names)."""
+    text = published_text(mirror, path)
+    namespace: dict = {}
+    exec(compile(text, path, "exec"), namespace)  # noqa: S102  (a development tool reading the published recipe)
+    return namespace["model"]
+
+
+def detector_manifest(builder, mirror: Path) -> dict:
+    out = {}
+    for name, path in DETECTOR_RECIPES.items():
+        cfg = published_model_config(mirror, path)
+        model = builder.build_model(cfg)
+        out[name] = {"source": path, "config": cfg,
+                     "state_dict": {k: [list(v.shape), str(v.dtype).replace("torch.", "")]
+                                    for k, v in model.state_dict().items()}}
     return out
 
 
@@ -252,13 +289,15 @@ def outputs(builder) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=("manifest", "outputs"))
+    parser.add_argument("what", choices=("manifest", "outputs", "detector-manifest"))
     parser.add_argument("--published", type=Path, required=True, help="the published repository (a git dir)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     builder = load_published(args.published)
     if args.what == "manifest":
         args.out.write_text(json.dumps(manifest(builder), indent=1, sort_keys=True) + "\n")
+    elif args.what == "detector-manifest":
+        args.out.write_text(json.dumps(detector_manifest(builder, args.published), indent=1, sort_keys=True) + "\n")
     else:
         torch.save(outputs(builder), args.out)
     print(f"wrote {args.out}")

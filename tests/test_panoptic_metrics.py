@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from sklearn.metrics import adjusted_mutual_info_score, adjusted_rand_score, precision_recall_fscore_support
 
-from pimm.tasks import panoptic_metrics
-from pimm.tasks.panoptic_metrics import (
+from pimm import panoptic_metrics
+from pimm.panoptic_metrics import (
     EVENT_METRICS,
     PanopticAccumulator,
     adjusted_mutual_information,

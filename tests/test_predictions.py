@@ -18,6 +18,7 @@ from pimm.data.predictions import (
     open_predictions,
     partial_path,
     read_event,
+    write_instance_table,
 )
 from pimm.data.synth import write_dataset, write_pilarnet
 from pimm.display import WRONG_COLOUR
@@ -141,6 +142,164 @@ def test_metrics_from_predictions_match_a_hand_computed_confusion_matrix(tmp_pat
     # with another ignore_index the -1 labels are not classes
     with pytest.raises(DataError, match="truth label -1 is outside 0..2 and is not ignore_index=2"):
         metrics_from_predictions(path, ignore_index=2)
+
+
+# ----------------------------------------------------------------------------- instance predictions
+
+
+def _instances(event_id: int) -> dict:
+    """Deterministic instance predictions of `_event(event_id)`'s points: up to 4 instances (some
+    on no point), table rows in shuffled id order, momentum and vertex on odd events only."""
+    n = len(_event(event_id)["pred"])
+    rng = np.random.default_rng(1000 + event_id)
+    k = int(rng.integers(0, 5))
+    table = {"instance": rng.permutation(k), "class": rng.integers(0, 5, k), "score": rng.random(k).astype(np.float32)}
+    if event_id % 2:
+        table |= {"momentum": (rng.random(k) * 500).astype(np.float32),
+                  "vertex": (rng.random((k, 3)) * 768).astype(np.float32)}
+    return {"instance": rng.integers(-1, k, n) if k else np.full(n, -1), "instance_score": rng.random(n),
+            "true_instance": rng.integers(-1, 4, n), "instance_table": table}
+
+
+def _write_instances(path: Path, ids: list[int], rank: int = 0) -> Path:
+    with PredictionWriter(path, num_classes=5, class_names=CLASSES, split="val", sources=["a.h5", "b,c.h5"],
+                          save_scores=True, has_instances=True, attrs={"rank": rank, "world_size": 2},
+                          compress=False) as w:
+        for i in ids:
+            w.add(i, i % 2, 100 + i, **_event(i), **_instances(i))
+    return path
+
+
+def test_instance_predictions_of_two_ranks_merge_and_read_back_exactly(tmp_path: Path) -> None:
+    parts = [_write_instances(tmp_path / "rank0.h5", [6, 0, 4, 2], rank=0),  # unsorted: sorted on close
+             _write_instances(tmp_path / "rank1.h5", [1, 3, 5, 7, 9], rank=1)]
+    out = merge_predictions(parts, tmp_path / "pred.h5")
+    with open_predictions(out) as p:
+        assert p.has_instances and int(p.file.attrs["version"]) == 2
+        assert p.event_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 9]
+        assert p.num_instances == sum(len(_instances(i)["instance_table"]["instance"]) for i in p.event_ids)
+        for i in p.event_ids.tolist():
+            got, want = p.read_event(i), _instances(i)
+            np.testing.assert_array_equal(got["pred"], _event(i)["pred"])
+            for name in ("instance", "true_instance"):
+                assert got[name].dtype == np.int32
+                np.testing.assert_array_equal(got[name], want[name])
+            assert got["instance_score"].dtype == np.float16
+            np.testing.assert_allclose(got["instance_score"], want["instance_score"], atol=1e-3)
+            table, given = got["instance_table"], want["instance_table"]
+            for name in ("instance", "class", "score"):
+                np.testing.assert_array_equal(table[name], given[name])
+            np.testing.assert_array_equal(table["size"], [(want["instance"] == k).sum() for k in given["instance"]])
+            k = len(given["instance"])
+            assert table["momentum"].shape == (k,) and table["vertex"].shape == (k, 3)
+            if i % 2:
+                np.testing.assert_array_equal(table["momentum"], given["momentum"])
+                np.testing.assert_array_equal(table["vertex"], given["vertex"])
+            else:  # not given: NaN
+                assert np.isnan(table["momentum"]).all() and np.isnan(table["vertex"]).all()
+
+
+def _read_csv(path: Path) -> dict[str, np.ndarray]:
+    """Columns of a CSV file: through pandas.read_csv when pandas is installed, else the csv module."""
+    try:
+        import pandas  # deferred: pandas is optional; the csv module reads the file without it
+    except ImportError:
+        import csv  # deferred: only without pandas
+
+        with open(path, newline="") as stream:
+            rows = list(csv.DictReader(stream))
+        return {name: np.array([row[name] for row in rows]) for name in rows[0]}
+    frame = pandas.read_csv(path)
+    return {name: frame[name].to_numpy() for name in frame.columns}
+
+
+def test_the_instance_table_is_one_csv_row_per_instance(tmp_path: Path) -> None:
+    ids = [0, 1, 2, 3, 4, 5]
+    csv_path = write_instance_table(_write_instances(tmp_path / "pred.h5", ids), tmp_path / "instances.csv")
+    assert csv_path.read_text().splitlines()[0] == ("event_id,source,source_index,instance,class,class_name,score,"
+                                                    "size,momentum,vertex_x,vertex_y,vertex_z")
+    columns = _read_csv(csv_path)
+    want = {name: [] for name in columns}
+    for i in ids:
+        given = _instances(i)
+        table = given["instance_table"]
+        k = len(table["instance"])
+        nan = np.full(k, np.nan)
+        vertex = table.get("vertex", np.full((k, 3), np.nan))
+        for name, values in (("event_id", [i] * k), ("source", [["a.h5", "b,c.h5"][i % 2]] * k),
+                             ("source_index", [100 + i] * k), ("instance", table["instance"]),
+                             ("class", table["class"]), ("class_name", [CLASSES[c] for c in table["class"]]),
+                             ("score", table["score"]),
+                             ("size", [(given["instance"] == j).sum() for j in table["instance"]]),
+                             ("momentum", table.get("momentum", nan)), ("vertex_x", vertex[:, 0]),
+                             ("vertex_y", vertex[:, 1]), ("vertex_z", vertex[:, 2])):
+            want[name].extend(values)
+    assert len(columns["event_id"]) == len(want["event_id"]) > 5
+    for name in ("event_id", "source_index", "instance", "class", "size"):
+        np.testing.assert_array_equal(columns[name].astype(np.int64), want[name], err_msg=name)
+    assert columns["source"].tolist() == want["source"] and columns["class_name"].tolist() == want["class_name"]
+    for name in ("score", "momentum", "vertex_x", "vertex_y", "vertex_z"):  # float32 text reads back exactly
+        np.testing.assert_array_equal(columns[name].astype(np.float64).astype(np.float32), want[name], err_msg=name)
+    with pytest.raises(DataError, match=r"r0.h5: has no instance predictions .*needs the predictions of a Panoptic"):
+        write_instance_table(_write(tmp_path / "r0.h5", [0], rank=0), tmp_path / "none.csv")
+    assert not (tmp_path / "none.csv").exists()
+
+
+def test_version_1_files_still_read_and_a_newer_version_is_refused(tmp_path: Path) -> None:
+    import h5py
+
+    semantic = _write(tmp_path / "semantic.h5", [0, 1])
+    with h5py.File(semantic, "r+") as f:
+        assert int(f.attrs["version"]) == 1  # a file without instances is still version 1, for older readers
+        del f.attrs["has_instances"]  # as written before instances
+    with open_predictions(semantic) as p:
+        assert not p.has_instances and p.num_instances == 0
+        assert "instance_table" not in p.read_event(1) and "instance" not in p.read_event(1)
+    with h5py.File(semantic, "r+") as f:
+        f.attrs["version"] = 3
+    with pytest.raises(DataError, match=r"predictions format version 3 is not supported \(this pimm reads "
+                       r"versions 1, 2\); read it with the pimm that wrote it or a newer one$"):
+        open_predictions(semantic)
+
+
+def _one_instance_event() -> dict:
+    return {"pred": [0, 1, 1], "point_index": np.arange(3), "coord": np.zeros((3, 3)), "segment": [0, 1, 1],
+            "instance": [-1, 0, 0], "instance_score": [0.0, 0.9, 0.8], "true_instance": [-1, 0, 0],
+            "instance_table": {"instance": [0], "class": [1], "score": [0.85]}}
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"instance_table": None}, "event 0 lacks instance_table: a writer with has_instances=True needs"),
+    ({"true_instance": None}, r"true_instance must be given exactly when has_labels \(has_labels=True\)"),
+    ({"instance": [-1, 0, 3]}, r"event 0: points of instance\(s\) \[3\] have no row in instance_table"),
+    ({"instance": [-2, 0, 0]}, r"instance of event 0 must be integer ids >= 0 or -1 \(none\)"),
+    ({"instance_table": {"instance": [0, 0], "class": [1, 1], "score": [1, 1]}}, "repeats an id: \\[0, 0\\]"),
+    ({"instance_table": {"instance": [0], "class": [5], "score": [1]}}, r"\['class'\] of event 0 must be classes 0..4"),
+    ({"instance_table": {"instance": [0], "class": [1], "score": [1], "size": [3]}},
+     r"\['size'\] of event 0 is \[3\], but the points of those instances number \[2\]; leave 'size' out"),
+    ({"instance_table": {"instance": [0], "class": [1], "score": [1], "energy": [1]}}, r"unknown keys \['energy'\]"),
+    ({"instance_table": {"instance": [0], "class": [1], "score": [1], "vertex": [1, 2, 3]}},
+     r"\['vertex'\] of event 0 has shape \(3,\), expected \(1, 3\)"),
+])
+def test_the_writer_refuses_inconsistent_instances_and_keeps_nothing_of_them(tmp_path: Path, change: dict,
+                                                                            expected: str) -> None:
+    path = tmp_path / "pred.h5"
+    with PredictionWriter(path, num_classes=5, class_names=CLASSES, split="val", sources=["a.h5"],
+                          has_instances=True) as w:
+        with pytest.raises(ValueError, match=expected):
+            w.add(0, 0, 0, **(_one_instance_event() | change))
+        w.add(0, 0, 0, **_one_instance_event())
+    with open_predictions(path) as p:
+        assert p.num_points == 3 and p.num_instances == 1
+        assert p.read_event(0)["instance_table"]["size"].tolist() == [2]
+
+
+def test_a_writer_without_instances_refuses_them(tmp_path: Path) -> None:
+    with PredictionWriter(tmp_path / "pred.h5", num_classes=5, class_names=CLASSES, split="val",
+                          sources=["a.h5"]) as w, pytest.raises(ValueError, match=(
+            r"^instance, instance_score, instance_table, true_instance given for event 0, but this writer was made "
+            "with has_instances=False; pass has_instances=True to PredictionWriter$")):
+        w.add(0, 0, 0, **_one_instance_event())
 
 
 # ----------------------------------------------------------------------------- pimm show

@@ -10,8 +10,8 @@ ending in the LaunchPlan.
     3. the resources and the rendezvous (Slurm step, endpoint, node rank)
     4. the batch plan (pimm.launch.plan: processes against the machine, pimm.distributed.batch)
     5. the data (pimm.launch.plan.check_data: each split valid, the train set fills a global batch)
-    6. what builds the model on the meta device: the strategy's fit, the warm-start weights, the
-       freeze and param_groups patterns (these import torch, for the configs that need them only)
+    6. what builds the model on the meta device: the freeze and param_groups patterns, the
+       strategy's fit, the warm-start weights (these import torch, for the configs that need them only)
 
 The cheap checks come first: a typo or an impossible split is refused before any data is read.
 """
@@ -128,20 +128,19 @@ def _continue(args: argparse.Namespace, saved: SavedRun, cfg: dict, scheduled: b
 
 
 def _train_sets(saved_cfg: dict, cfg: dict) -> tuple[TrainSet, TrainSet]:
-    """The train set of the run's config and of `cfg`, each checked (pimm.launch.plan.check_split) or
-    with the error that check raised: a resume raises it only where it needs the count (a run that
-    completed is told so without it)."""
-    sets = []
-    for c in (cfg, saved_cfg):
-        if sets and c["data"]["train"] == cfg["data"]["train"]:
-            sets.append(sets[0])  # the same data: checked once
+    """The train set of the run's config and of `cfg` (one check when both name the same data), each
+    checked (pimm.launch.plan.check_split) or with the error that check raised: a resume raises it
+    only where it needs the count (a run that completed is told so without it)."""
+    checked: dict[str, TrainSet] = {}
+    for which, config in (("now", cfg), ("then", saved_cfg)):
+        if which == "then" and config["data"]["train"] == cfg["data"]["train"]:
+            checked[which] = checked["now"]
             continue
         try:
-            sets.append(TrainSet(identity=check_split(c, "train")))
+            checked[which] = TrainSet(identity=check_split(config, "train"))
         except (PimmError, OSError, KeyError, TypeError, ValueError) as exc:
-            sets.append(TrainSet(error=exc))
-    now, then = sets
-    return then, now
+            checked[which] = TrainSet(error=exc)
+    return checked["then"], checked["now"]
 
 
 def _parameter_mismatch(old_model: dict, new_model: dict) -> str | None:

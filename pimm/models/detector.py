@@ -94,17 +94,19 @@ class Detector(nn.Module):
                 event_id: torch.Tensor | None = None, segment: torch.Tensor | None = None) -> DetectorOutput:
         num_events = len(offset)
         level, voxel_of_point, counts = grid_sample(coord, offset, self.grid_size, self.grid_origin)
-        result = self.backbone.forward_levels(cluster_mean(feat, voxel_of_point, counts).to(feat.dtype), level,
-                                              event_id)
+        voxel_input = cluster_mean(feat, voxel_of_point, counts).to(feat.dtype)
+        result = self.backbone.forward_levels(voxel_input, level, event_id)
         voxel_feat = point_features(result, self.backbone.enc_mode)
-        voxel_coord = cluster_mean(coord.to(feat.dtype), voxel_of_point, counts)
+        # the decoder's point positions are the x, y, z feature columns (names.FEATURE_COLUMNS): normalised and
+        # augmented as the published point.coord that pos_emb reads (detector_v1m1.py:807), not in grid units
+        voxel_position = voxel_input[:, :3]
         stuff_logits = None
         attend = torch.ones(len(voxel_feat), dtype=torch.bool, device=feat.device)
         if self.use_stuff_head:
             stuff_logits = self.decoder.stuff_head(voxel_feat).squeeze(-1)
             attend = self._thing_voxels(stuff_logits, level.batch, num_events, voxel_of_point, segment)
         voxel_counts = torch.bincount(level.batch[attend], minlength=num_events)
-        events = self.decoder(voxel_feat[attend], voxel_counts.cumsum(0), voxel_coord[attend])
+        events = self.decoder(voxel_feat[attend], voxel_counts.cumsum(0), voxel_position[attend])
         events = self._to_points(events, attend, level.batch, voxel_of_point,
                                  offset_to_batch_index(offset, len(coord)), num_events)
         point_stuff = stuff_logits.index_select(0, voxel_of_point) if stuff_logits is not None else None

@@ -11,7 +11,7 @@ no-object) come from the queries the layer puts out.
 Published: DeepLearnPhysics/pimm pimm/models/panda_detector/detector_v1m1.py (decoder, blocks, queries)
 and detector_v1m2_momentum.py (momentum head); the defaults are configs/panda/panseg/
 detector-v1m1-pt-v3m2-ft-pid-dec.py. Parameter names follow the published decoder's (query_feat,
-query_embed, pos_emb, blocks.i.{norm1,norm2,norm3,norm_kv,cross_attn,self_attn,mlp,mask_mlp},
+query_embed, pos_emb.{0,2}, blocks.i.{norm1,norm2,norm3,norm_kv,cross_attn,self_attn,mlp,mask_mlp,anneal_progress},
 final_norm, cls_pred, full_point_proj), so published decoder weights map by prefix.
 What pimm does differently: events are padded to one batch instead of flash-attn varlen (the same
 arithmetic); no stuff head (the published pid recipe filters "stuff" points with a point classifier
@@ -125,6 +125,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(channels, num_heads, qkv_bias)
         self.norm3 = nn.LayerNorm(channels)
         self.mlp = MLP(channels, int(channels * mlp_ratio), channels)
+        # the published block's attention-mask annealing progress (detector_v1m1.py:326), in its checkpoints:
+        # always 0 here (pimm does not anneal; validate refuses attn_mask_anneal=True), kept so they load by name
+        self.register_buffer("anneal_progress", torch.zeros(()))
 
     def forward(self, q: torch.Tensor, q_pos: torch.Tensor, points: torch.Tensor, point_pos: torch.Tensor,
                 padding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +176,9 @@ class QueryDetector(nn.Module):
         self.num_classes = num_classes
         self.query_feat = nn.Embedding(num_queries, hidden_channels)
         self.query_embed = nn.Embedding(num_queries, hidden_channels)  # the queries' learned positional part
-        self.pos_emb = MLP(3, hidden_channels, hidden_channels) if point_position else None
+        # named as published (detector_v1m1.py:623-627): pos_emb.0 and pos_emb.2
+        self.pos_emb = (nn.Sequential(nn.Linear(3, hidden_channels), nn.GELU(),
+                                      nn.Linear(hidden_channels, hidden_channels)) if point_position else None)
         self.full_point_proj = (MLP(in_channels, hidden_channels, hidden_channels) if mlp_point_proj
                                 else nn.Linear(in_channels, hidden_channels))
         self.blocks = nn.ModuleList(DecoderLayer(hidden_channels, num_heads, mlp_ratio, qkv_bias)

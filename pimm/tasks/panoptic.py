@@ -13,7 +13,7 @@ stuff logit (detector_v1m1.py:_compute_stuff_loss, weight 1). Every term is per 
 loss is the mean over its events, so the gradient is the same at any world size and accumulation.
 Matching points (only drawn for events above match_points points) come from a generator keyed by the
 event id. Validation and `pimm test` post-process each event (the model's thresholds) and score it with
-pimm.tasks.panoptic_metrics; every event is counted once across ranks (the accumulators are gathered).
+pimm.panoptic_metrics; every event is counted once across ranks (the accumulators are gathered).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pimm.distributed.env import all_gather_objects, all_reduce_sum
 from pimm.names import PANOPTIC_LABELS
 from pimm.tasks.base import Meter, Task, TaskOutput
 from pimm.tasks.panoptic_loss import DetectorLossWeights, detector_event_losses, event_targets
-from pimm.tasks.panoptic_metrics import EVENT_METRICS, PanopticAccumulator
+from pimm.panoptic_metrics import EVENT_METRICS, PanopticAccumulator
 
 # every name a validation result gives that can pick model_best.pth -> higher is better
 BEST_METRICS = {**{name: True for name in EVENT_METRICS}, "pq_pooled": True, "detection_f1_pooled": True,

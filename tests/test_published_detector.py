@@ -1,0 +1,226 @@
+"""The published PILArNet-M detector recipes (configs/panda/panseg/*) against the published files.
+
+Every expected value is cited as `<recipe>.py:<line>` of DeepLearnPhysics/pimm
+configs/panda/panseg/detector-v1m1-pt-v3m2-ft-<recipe>.py, or names the published module it comes from.
+tests/data/published_detector_manifest.json is the published Detector built from the pid-dec and vtx-dec
+files' own `model` (scripts/published_reference.py detector-manifest). Fast but for the end-to-end run:
+configs are loaded and models built on the meta device.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import REPO, attempts, losses, run_pimm, weights
+
+from pimm.config import load_config
+from pimm.config.validate import check_config, panoptic_loss_weights, task_loss
+from pimm.data.synth import write_pilarnet
+from pimm.engine.optim import build_optimizer, build_scheduler, parameter_groups
+from pimm.models import build_model
+
+RECIPES = tuple(f"{label}-{kind}" for label in ("pid", "vtx") for kind in ("dec", "fft", "scratch"))
+MANIFEST = json.loads((REPO / "tests/data/published_detector_manifest.json").read_text())
+SCALE = 768.0 * math.sqrt(3.0) / 2.0  # NormalizeCoord's scale, pid-dec.py:143, vtx-dec.py:135
+PIMM_MODEL_KEYS = {"grid_size", "grid_origin"}  # pimm's: the published grid_coord in detector units
+
+
+def recipe(name: str) -> dict:
+    return load_config(REPO / "configs" / "panda" / "panseg" / f"detector-v1m1-pt-v3m2-ft-{name}.py")
+
+
+def plain(value):
+    """A config value as the manifest's JSON holds it (tuples as lists)."""
+    return json.loads(json.dumps(value))
+
+
+def lookup(cfg: dict, path: tuple):
+    for key in path:
+        cfg = cfg[key]
+    return cfg
+
+
+PID, VTX = RECIPES[:3], RECIPES[3:]
+# (key path, {recipe: published value}); *-scratch.py inherit *-fft.py (pid-scratch.py:1, vtx-scratch.py:1) and
+# change nothing pimm has a key for
+TABLE = [
+    (("seed",), dict.fromkeys(RECIPES, 0)),  # pid-dec.py:13, vtx-dec.py:13
+    (("epochs",), dict.fromkeys(RECIPES, 20)),  # pid-dec.py:22, vtx-dec.py:21
+    (("batch_size",), dict.fromkeys(RECIPES, 48)),  # pid-dec.py:4, vtx-dec.py:4
+    (("num_worker",), dict.fromkeys(RECIPES, 24)),  # pid-dec.py:5, vtx-dec.py:5
+    (("clip_grad",), dict.fromkeys(RECIPES, 1.0)),  # pid-dec.py:8, pid-fft.py:8, vtx-dec.py:8, vtx-fft.py:8
+    (("amp",), dict.fromkeys(RECIPES, {"enabled": True, "dtype": "bfloat16"})),  # pid-dec.py:10-11
+    (("optimizer",), dict.fromkeys(RECIPES, {"type": "AdamW", "lr": 2e-4, "weight_decay": 0.01})),  # pid-dec.py:109-130
+    (("scheduler",), {**{k: {"type": "OneCycleLR", "max_lr": 2e-4, "pct_start": 0.025, "anneal_strategy": "cos",
+                              "div_factor": 10.0, "final_div_factor": 1000.0} for k in PID},  # pid-dec.py:131-138
+                      **{k: {"type": "OneCycleLR", "max_lr": 2e-4, "pct_start": 0.05, "anneal_strategy": "cos",
+                             "div_factor": 10.0, "final_div_factor": 1000.0} for k in VTX}}),  # vtx-dec.py:123-130
+    (("model", "backbone", "freeze_encoder"), {k: k.endswith("dec") for k in RECIPES}),  # pid-dec.py:64, pid-fft.py:64
+    (("model", "grid_origin"), dict.fromkeys(RECIPES, 384.0)),  # NormalizeCoord center, pid-dec.py:143
+    (("model", "grid_size"), dict.fromkeys(RECIPES, 0.001 * SCALE)),  # GridSample 0.001, pid-dec.py:145
+    (("pretrained", "path"), dict.fromkeys(RECIPES, None)),  # weights come from the command line (-w)
+    (("pretrained", "key_map"), {k: [] if k.endswith("scratch") else "sonata" for k in RECIPES}),  # pid-dec.py:223-227
+    (("pretrained", "strict"), {k: k.endswith("scratch") for k in RECIPES}),  # CheckpointLoader's strict=False
+    (("task", "label"), {**dict.fromkeys(PID, "particle"), **dict.fromkeys(VTX, "interaction")}),  # pid-dec.py:150
+    (("task", "stuff_classes"), {**dict.fromkeys(PID, [5]), **dict.fromkeys(VTX, [0])}),  # pid-dec.py:242, vtx:249
+    (("task", "iou_threshold"), dict.fromkeys(RECIPES, 0.5)),  # iou_thresh, pid-dec.py:243
+    (("task", "best_metric"), dict.fromkeys(RECIPES, "detection_f1_pooled")),  # evaluator.py: ins_det_f1
+    (("data", "num_classes"), dict.fromkeys(RECIPES, 6)),  # pid-dec.py:173 (vtx: pimm's, the reader's pid labels)
+    (("eval_every_n_steps",), dict.fromkeys(RECIPES, 1000)),  # evaluator every_n_steps, pid-dec.py:239
+] + [
+    (("data", split, key), dict.fromkeys(RECIPES, value))
+    for split in ("train", "val", "test")
+    for key, value in (("type", "PILArNetDataset"), ("revision", "v2"), ("label", "pid"), ("instances", True),
+                       ("min_points", 1024), ("energy_threshold", 0.13), ("remove_low_energy_scatters", False),
+                       ("features", "published"), ("max_len", 1_000_000 if split == "train" else 1000))
+]  # pid-dec.py:176-211, vtx-dec.py:183-217
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_each_recipe_is_a_valid_config_with_the_published_values(name):
+    cfg = recipe(name)
+    check_config(cfg)
+    for path, expected in TABLE:
+        value = lookup(cfg, path)
+        if isinstance(expected[name], float):
+            assert value == pytest.approx(expected[name], rel=1e-12), (path, value)
+        else:
+            assert plain(value) == expected[name], (path, value)
+    # the published InstanceSegmentationLoss, pasted: pid-dec.py:88-105, vtx-dec.py:81-97
+    criteria = MANIFEST["pid-dec" if name.startswith("pid") else "vtx-dec"]["config"]["criteria"]
+    assert plain(task_loss(cfg)) == criteria
+    assert panoptic_loss_weights(task_loss(cfg))["dice"] == 5.0  # loss_weight_dice, pid-dec.py:95
+    transforms = {split: cfg["data"][split]["transforms"] for split in ("train", "val", "test")}
+    grid = {"type": "GridSample", "grid_size": pytest.approx(0.001 * SCALE), "mode": "random",
+            "return_grid_coord": True}
+    assert transforms["val"] == transforms["test"] == [grid]  # test_transform, pid-dec.py:158-169
+    assert transforms["train"][0] == grid and [t["type"] for t in transforms["train"][1:]] == [  # pid-dec.py:142-157
+        "RandomRotate", "RandomRotate", "RandomRotate", "RandomFlip"]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_the_model_is_the_published_one_name_for_name(name):
+    """The recipe's model is the published file's `model` (plus pimm's grid keys; fft only unfreezes the
+    encoder, pid-fft.py:64), and pimm's Detector built from it has the published Detector's state_dict:
+    every name, shape and dtype."""
+    reference = MANIFEST[name.split("-")[0] + "-dec"]
+    model_cfg = recipe(name)["model"]
+    published = dict(reference["config"])
+    if not name.endswith("dec"):
+        published["backbone"] = {**published["backbone"], "freeze_encoder": False}
+    assert set(model_cfg) - set(published) == PIMM_MODEL_KEYS
+    assert plain({k: model_cfg[k] for k in published}) == published
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    ours = {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in model.state_dict().items()}
+    expected = reference["state_dict"]
+    assert sorted(set(expected) - set(ours)) == [] and sorted(set(ours) - set(expected)) == []
+    assert {k: v for k, v in ours.items() if expected[k] != v} == {}
+
+
+def published_lr_and_decay(name: str, model: torch.nn.Module) -> dict[str, tuple[float, float]]:
+    """Name -> (lr, weight decay) of every trained parameter under the published recipe: build_optimizer of
+    pimm/utils/optimizer.py (the first param_dicts keyword contained in the name, else the default group),
+    then the WeightDecayExclusion hook (pid-dec.py:248-255, pimm/engines/hooks/misc.py)."""
+    base_lr, base_wd, lr_decay, depth = 2e-4, 0.01, 0.97, 3  # pid-dec.py:108-110, 70
+    keywords = []
+    if not name.endswith("dec"):  # pid-fft.py:120-129, backbone_mult 1.0 (pid-fft.py:111)
+        enc_depths = (3, 3, 3, 9, 3)
+        for e, blocks in enumerate(enc_depths):
+            for b in range(blocks):
+                exponent = (sum(enc_depths) - sum(enc_depths[:e]) - b - 1) + depth
+                keywords.append((f"enc{e}.block{b}.", base_lr * lr_decay**exponent * 1.0))
+    keywords += [(f"decoder.blocks.{b}.", base_lr * lr_decay ** (depth - b - 1)) for b in range(depth)]
+    out = {}
+    for n, p in model.named_parameters():
+        if not p.requires_grad:  # no gradient: AdamW leaves it alone
+            continue
+        lr = next((lr for keyword, lr in keywords if keyword in n), base_lr)
+        lower = n.lower()
+        excluded = n.endswith(".bias") or "norm" in lower or "gamma" in lower or "token" in lower or p.ndim == 1
+        out[n] = (lr, 0.0 if excluded else base_wd)
+    return out
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_param_groups_give_every_parameter_the_published_lr_and_weight_decay(name):
+    cfg = recipe(name)
+    with torch.device("meta"):
+        model = build_model(cfg["model"])
+    expected = published_lr_and_decay(name, model)
+    groups = parameter_groups(model.named_parameters(), cfg["optimizer"], cfg["param_groups"])
+    ids = {id(p): n for n, p in model.named_parameters()}
+    seen = {}
+    for group in groups:
+        decay = group.get("weight_decay", cfg["optimizer"]["weight_decay"])
+        for p in group["params"]:
+            seen[ids[id(p)]] = (cfg["optimizer"]["lr"] * group["lr_scale"], decay)
+    assert seen.keys() == expected.keys()
+    wrong = [(n, seen[n], expected[n]) for n in expected
+             if seen[n][1] != expected[n][1] or not math.isclose(seen[n][0], expected[n][0], rel_tol=1e-12)]
+    assert not wrong, wrong[:5]
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    if name.endswith("dec"):  # freeze_encoder with enc_mode (pid-dec.py:63-64): the whole backbone is fixed
+        assert frozen == {n for n, _ in model.named_parameters() if n.startswith("backbone.")}
+        assert all(n.startswith("decoder.") for n in expected)
+    else:
+        assert not frozen
+        assert expected["backbone.embedding.stem.linear.weight"] == (2e-4, 0.01)  # in no published keyword: base_lr
+    # OneCycleLR's peak per group is the group's lr, as the published max_lr list (pid-dec.py:133)
+    optimizer = build_optimizer(cfg["optimizer"], groups)
+    build_scheduler(cfg["scheduler"], optimizer, total_steps=100)
+    for group in optimizer.param_groups:
+        assert group["max_lr"] == pytest.approx(cfg["optimizer"]["lr"] * group["lr_scale"], rel=1e-12)
+        assert group["initial_lr"] == pytest.approx(group["max_lr"] / 10.0)
+
+
+def test_the_decoder_positions_are_the_feature_coordinates_as_the_published_point_coord(monkeypatch):
+    """The published decoder's pos_emb reads point.coord (detector_v1m1.py:807): the coordinates after
+    NormalizeCoord and the augmentations, which are pimm's x, y, z feature columns, not the voxel grid's."""
+    model = build_model(load_config(REPO / "configs/tests/tiny_published_detector.py")["model"]).train()
+    generator = torch.Generator().manual_seed(0)
+    coord = torch.stack([torch.randperm(768, generator=generator)[:300] for _ in range(3)], 1).float()
+    feat = torch.randn(300, 4, generator=generator)  # one point per voxel: each voxel's mean is its point
+    seen = []
+    decode = model.decoder.forward
+    monkeypatch.setattr(model.decoder, "forward", lambda f, offset, position: seen.append(position) or decode(
+        f, offset, position))
+    model(coord, feat, torch.tensor([300]))
+    rows = sorted(map(tuple, seen[0].tolist()))
+    assert len(rows) <= 300 and set(rows) <= set(map(tuple, feat[:, :3].tolist()))
+
+
+def test_a_sonata_checkpoint_fine_tuned_with_the_detector_dec_recipe_keeps_its_frozen_encoder(tmp_path):
+    """The pid dec recipe (configs/tests/tiny_published_detector.py: its data, transforms, task, losses and
+    groups at a small width) from a Sonata pretraining payload ({"state_dict": {"module.student.backbone.*",
+    teacher, heads}}, key_map="sonata"), 1 rank, 2 steps: the student's encoder loads, the teacher and heads
+    are left out, the frozen encoder ends bitwise as loaded; both steps have a finite loss."""
+    root = tmp_path / "pil"
+    write_pilarnet(root, 8, seed=51, split="train", revision="v2", points_per_event=500)
+    write_pilarnet(root, 4, seed=52, split="val", revision="v2", points_per_event=500)
+    cfg = load_config(REPO / "configs/tests/tiny_published_detector.py")
+    torch.manual_seed(5)
+    pretrained = build_model(cfg["model"])
+    encoder = {k: v for k, v in pretrained.state_dict().items() if k.startswith("backbone.")}
+    payload = {f"module.student.{k}": v for k, v in encoder.items()}
+    payload.update({f"module.teacher.{k}": v.clone() + 1.0 for k, v in encoder.items()})
+    payload["module.student.heads.proto.weight"] = torch.zeros(8, 4)
+    checkpoint = tmp_path / "sonata.pth"
+    torch.save({"epoch": 3, "state_dict": payload}, checkpoint)
+
+    res = run_pimm(["launch", "--train.config", "tests/tiny_published_detector", "--run.name", "det",
+                    "--run.no-timestamp", "--paths.exp-root", str(tmp_path / "exp"), "--",
+                    f"pretrained.path={checkpoint}", "data.test=null", "max_steps=2", "data.train.min_points=100",
+                    "data.val.min_points=100", *(f"data.{s}.path={root}" for s in ("train", "val"))],
+                   cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_dir = tmp_path / "exp" / "tests" / "det"
+    attempt = attempts(run_dir)[-1]
+    assert attempt["world_size"] == 1 and attempt["pretrained"]["loaded"] == len(encoder)
+    assert f"loaded {len(encoder)} of" in res.stdout and "left out by key_map='sonata'" in res.stdout
+    final = weights(run_dir)
+    for name, value in encoder.items():  # freeze_encoder=True with enc_mode (pid-dec.py:63-64): all fixed
+        assert torch.equal(final[name], value), name
+    trained = losses(run_dir)
+    assert sorted(trained) == [1, 2] and all(math.isfinite(v) and v > 0 for v in trained.values()), trained
