@@ -112,9 +112,11 @@ def detector_runs(shards, tmp_path_factory) -> dict[str, Path]:
     res = run_pimm(["launch", "--train.resume", str(runs["cut"]), "--resources.nproc-per-node", "2"], cwd=REPO,
                    timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    # weights as initialised (lr 0): a detector that has not learned no-object yet predicts instances
+    # weights as initialised (lr 0) keeping every candidate query: a detector that has not learned no-object yet
+    # predicts instances of every kind
     res = run_pimm(["launch", "--train.config", CONFIG, "--run.name", "young", "--run.no-timestamp", "--paths.exp-root",
-                    str(exp), "--", *data[:2], "optimizer.lr=0.0", "max_steps=1"], cwd=REPO, timeout=300)
+                    str(exp), "--", *data[:2], "optimizer.lr=0.0", "max_steps=1", "model.conf_threshold=0.0"], cwd=REPO,
+                   timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     runs["young"] = exp / "tests" / "young"
     return runs
@@ -153,3 +155,47 @@ def test_pimm_test_gives_the_same_metrics_at_one_and_two_ranks(detector_runs, tm
             assert one[key] == pytest.approx(two[key], rel=1e-9)
         else:
             assert one[key] == two[key], key
+
+
+def test_pimm_predict_writes_instances_of_an_unlabelled_file_and_pimm_show_draws_them(detector_runs, shards,
+                                                                                        tmp_path):
+    """The detector on a pimm event file without labels (the val events' points, no segment): per point
+    instance, class, score; a per-instance table beside it that a CSV reader takes as it is; then the
+    event drawn by instance; --save-scores (per-class scores of a semantic model) refused in one line."""
+    import h5py
+    import numpy as np
+
+    from pimm.data.dataset import PILArNetDataset
+    from pimm.data.event_format import write_event_file
+    from pimm.data.predictions import open_predictions
+
+    cfg = tiny_config(shards)
+    val = PILArNetDataset(str(shards), split="val", revision="v2", min_points=10)
+    events = [val.read_raw(i) for i in range(4)]
+    unlabelled = tmp_path / "nolabels.h5"
+    write_event_file(unlabelled, [{"coord": e["coord"], "energy": e["energy"], "segment": e["segment"]}
+                                  for e in events])
+    with h5py.File(unlabelled, "a") as f:
+        del f["segment"]
+    out = tmp_path / "pred.h5"
+    res = run_pimm(["predict", "--weights", str(detector_runs["young"]), "--data", str(unlabelled), "--out", str(out),
+                    "--resources.nproc-per-node", "2"], cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    table = out.with_suffix(".instances.csv")
+    assert f"per-instance table {table}" in res.stdout
+    rows = list(csv.DictReader(table.open()))
+    with open_predictions(out) as preds:
+        assert preds.has_instances and not preds.has_labels and preds.num_events == 4
+        for event_id in preds.event_ids:
+            event = preds.read_event(int(event_id))
+            sizes = np.bincount(event["instance"][event["instance"] >= 0])
+            listed = [r for r in rows if int(r["event_id"]) == int(event_id)]
+            assert [int(r["size"]) for r in listed] == sizes.tolist()
+            assert all(r["class_name"] in cfg["data"]["names"] for r in listed)
+    assert rows, "the young detector predicts instances"
+    res = run_pimm(["show", str(out), "--event", "0", "--color-by", "instance", "--out", str(tmp_path / "e.png")],
+                   cwd=REPO)
+    assert res.returncode == 0 and (tmp_path / "e.png").stat().st_size > 0, res.stderr
+    res = run_pimm(["predict", "--weights", str(detector_runs["young"]), "--data", str(unlabelled), "--out",
+                    str(tmp_path / "again.h5"), "--save-scores"], cwd=REPO)
+    assert res.returncode == 2 and "--save-scores" in res.stderr and "leave --save-scores out" in res.stderr

@@ -587,6 +587,12 @@ INSTANCE_TABLE_COLUMNS = ("event_id", "source", "source_index", "instance", "cla
                           "momentum", "vertex_x", "vertex_y", "vertex_z")
 
 
+def instance_table_path(predictions_path: str | Path) -> Path:
+    """Where `pimm predict` and `pimm test` put a prediction file's per-instance table: beside it,
+    `<name>.instances.csv`."""
+    return Path(predictions_path).with_suffix(".instances.csv")
+
+
 def write_instance_table(predictions_path: str | Path, csv_path: str | Path) -> Path:
     """The per-instance table of a prediction file as CSV at `csv_path` (written whole or not at
     all): a header of INSTANCE_TABLE_COLUMNS, then one row per predicted instance in event order;

@@ -40,7 +40,7 @@ from pimm.config import config_hash, read_run_config
 from pimm.data.collate import collate_events
 from pimm.data.dataset import build_dataset
 from pimm.data.event_file import validate_data
-from pimm.data.predictions import PredictionWriter, merge_predictions
+from pimm.data.predictions import PredictionWriter, instance_table_path, merge_predictions, write_instance_table
 from pimm.data.sampler import ShardedEvalSampler
 from pimm.distributed.batch import plan_batches
 from pimm.distributed.env import DistEnv, all_reduce_max, barrier, destroy_distributed, init_distributed
@@ -265,6 +265,8 @@ def _merged(out: Path, env: DistEnv, writer: PredictionWriter | None, run: Calla
     barrier()
     if writer is not None and env.is_main:
         merge_predictions([writer.path.with_name(f"predictions.rank{r}.h5") for r in range(env.world_size)], out)
+        if writer.has_instances:
+            write_instance_table(out, instance_table_path(out))
     return result
 
 

@@ -22,6 +22,7 @@ from pimm.config.validate import model_classes
 from pimm.data.dataset import UNCHECKED_CLASSES
 from pimm.data.event_format import validate_event_file
 from pimm.data.pilarnet_file import DEFAULT_SPLIT, detect_revision, is_pilarnet, open_pilarnet
+from pimm.data.predictions import instance_table_path
 from pimm.data.transforms import preprocessing
 from pimm.engine.eval_dir import HELD_WEIGHTS, write_spec
 from pimm.errors import EXIT_FAILED, PimmError
@@ -126,6 +127,9 @@ def prepare_predict(args: PredictRequest) -> tuple[dict, Path, Path, Path | None
     out: Path = args.out.absolute()
     if out.exists():
         raise PimmError(f"--out {args.out} exists; predictions are never overwritten: give a new file name")
+    if instance_table_path(out).exists():  # a detector's per-instance table goes beside the file
+        raise PimmError(f"{instance_table_path(out)} exists (the per-instance table --out {args.out} would get); "
+                        "predictions are never overwritten: give a new file name")
     if not out.parent.is_dir():
         what = "is a file, not a directory" if out.parent.exists() else "does not exist"
         raise PimmError(f"--out {args.out}: {out.parent} {what}; create the directory or give another path")
@@ -179,5 +183,7 @@ def run_predict(args: PredictRequest) -> int:
     if run_eval_dir(scratch, spec["nproc_per_node"], "pimm predict", out, kept=True) != 0:
         return EXIT_FAILED
     shutil.rmtree(scratch, ignore_errors=True)
-    print(f"pimm predict: wrote {out} ({spec['num_events']} events)")
+    table = instance_table_path(out)
+    print(f"pimm predict: wrote {out} ({spec['num_events']} events)"
+          + (f" and its per-instance table {table}" if table.exists() else ""))
     return 0
