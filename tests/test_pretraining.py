@@ -68,6 +68,19 @@ def test_one_rank_two_ranks_accumulation_and_fsdp2_train_the_same_model(pretrain
             torch.testing.assert_close(other[key], value, rtol=0, atol=1e-4, msg=f"{name}: {key}")
 
 
+def test_the_online_probe_is_validated_and_logged(pretrain_runs):
+    """pimm's linear probe on the teacher's detached features: its mIoU on the validation events is logged
+    and the same at 1 and 2 ranks (its confusion is summed over ranks; the weights agree to rounding)."""
+    def last_val(run: Path) -> dict:
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in records if r["kind"] == "val"][-1]
+
+    one, two = last_val(pretrain_runs["one"]), last_val(pretrain_runs["two"])
+    assert 0.0 <= one["probe_miou"] <= 1.0 and len(one["probe_iou"]) == 5
+    assert one["probe_miou"] == pytest.approx(two["probe_miou"], abs=1e-3) and one["events"] == two["events"] == 4
+    assert "probe mIoU" in (pretrain_runs["one"] / "logs" / "rank0.log").read_text()
+
+
 def test_the_teacher_moves_by_ema_and_never_by_gradient(pretrain_runs):
     """After training the teacher is neither the student nor its initial copy: it moved by EMA only."""
     final = weights(pretrain_runs["one"])

@@ -51,6 +51,7 @@ model = dict(
     match_max_r=2 * _grid,
     up_cast_level=1,
     grid_size=_grid,
+    probe_classes=5,  # pimm's online linear probe of the motif classes (data.num_classes)
 )
 task = dict(_delete_=True, type="SelfDistillation")
 optimizer = dict(type="AdamW", lr=2e-3, weight_decay=0.04)

@@ -319,6 +319,10 @@ def check_config(cfg: dict) -> None:
         if model["type"] != "Sonata-v1m1":
             raise ConfigError(f"task.type='SelfDistillation' trains model.type='Sonata-v1m1' (a student and an EMA "
                               f"teacher), not {model['type']!r}; see configs/tests/tiny_pretrain.py")
+        probe = model.get("probe_classes", 0)
+        if probe and probe != num_classes:
+            raise ConfigError(f"model.probe_classes={probe} but data.num_classes={num_classes}: the online probe "
+                              f"predicts the data's classes; set model.probe_classes={num_classes} (or 0: no probe)")
     else:
         if model["type"] == "Sonata-v1m1":
             raise ConfigError("model.type='Sonata-v1m1' is trained by self-distillation: set "
@@ -692,6 +696,7 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
         "up_cast_level": integer(0),
         "grid_size": number(0, strict=True),
         "grid_origin": Rule("a finite number", _is_number),
+        "probe_classes": integer(0, " (pimm's online linear probe: data.num_classes, or 0 for none)"),
     },
 }
 

@@ -66,9 +66,11 @@ class ViewScores:
     """One pass over a batch of views: per voxel of the up-cast level its prototype scores per head, view and
     mean origin coordinate."""
 
-    scores: dict[str, torch.Tensor]  # head name -> (V, num_prototypes)
+    scores: dict[str, torch.Tensor]  # head name -> (V, num_prototypes); "probe" -> (P, probe_classes)
     view: torch.Tensor  # (V,) the voxel's view (index into the batch's views)
     origin: torch.Tensor  # (V, 3)
+    feat: torch.Tensor  # (V, head_in_channels) the up-cast features the heads read
+    point_voxel: torch.Tensor  # (N,) each input point's voxel
 
 
 class Sonata(nn.Module):
@@ -85,7 +87,7 @@ class Sonata(nn.Module):
                  mask_loss_weight: float = 2 / 8, roll_mask_loss_weight: float = 2 / 8,
                  unmask_loss_weight: float = 4 / 8, momentum_base: float = 0.996, momentum_final: float = 1.0,
                  match_max_k: int = 8, match_max_r: float = 0.08, up_cast_level: int = 2, grid_size: float = 1.0,
-                 grid_origin: float = 0.0) -> None:
+                 grid_origin: float = 0.0, probe_classes: int = 0) -> None:
         super().__init__()
         self.options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         check_model_arguments("Sonata-v1m1", self.options)
@@ -106,12 +108,16 @@ class Sonata(nn.Module):
         self.teacher.load_state_dict(self.student.state_dict())
         for p in self.teacher.parameters():
             p.requires_grad = False
+        # pimm's online linear probe (nothing published): the classes of the teacher's detached features
+        self.probe = nn.Linear(head_in_channels, probe_classes) if probe_classes > 0 else None
 
     def forward(self, coord: torch.Tensor, feat: torch.Tensor, offset: torch.Tensor, origin: torch.Tensor,
                 view_id: torch.Tensor | None = None, point_mask: torch.Tensor | None = None, part: str = "student",
-                head_of_view: torch.Tensor | None = None) -> ViewScores:
+                head_of_view: torch.Tensor | None = None, probe_feat: torch.Tensor | None = None) -> ViewScores:
         """Encode a batch of views; `head_of_view` (views,) picks each view's head by its index in the
-        part's heads (mask_head, unmask_head; None: every head scores every voxel, others' rows are 0)."""
+        part's heads (mask_head, unmask_head; None: every head scores every voxel, others' rows are 0).
+        `probe_feat` (P, head_in_channels), detached features, get the probe's logits as scores["probe"]
+        (in this call, so that data parallelism reduces the probe's gradients with the student's)."""
         network = self.student if part == "student" else self.teacher
         level, voxel_of_point, counts = grid_sample(coord, offset, self.grid_size, self.grid_origin)
         voxel_mask = None
@@ -125,7 +131,7 @@ class Sonata(nn.Module):
         for s in range(top, top - self.up_cast_level, -1):  # the published up_cast, coarse to fine
             x = torch.cat([result.encoder_outputs[s - 1], x.index_select(0, result.levels[s].parent)], dim=1)
         levels = result.levels[:top - self.up_cast_level + 1]
-        view, voxel_origin = level_origins(levels, voxel_of_point, origin)
+        view, voxel_origin, point_voxel = level_origins(levels, voxel_of_point, origin)
         heads = [name for name in HEADS if name in network]
         scores = {}
         for h, name in enumerate(heads):
@@ -135,7 +141,9 @@ class Sonata(nn.Module):
             rows = (head_of_view[view] == h).nonzero().squeeze(1)
             scored = network[name](x.index_select(0, rows))
             scores[name] = scored.new_zeros(len(x), scored.shape[1]).index_copy_(0, rows, scored)
-        return ViewScores(scores, view, voxel_origin)
+        if probe_feat is not None and self.probe is not None:
+            scores["probe"] = self.probe(probe_feat.detach())
+        return ViewScores(scores, view, voxel_origin, x, point_voxel)
 
     def view_voxels(self, coord: torch.Tensor, offset: torch.Tensor, origin: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +153,7 @@ class Sonata(nn.Module):
         levels = [level]
         for s in range(self._target_level):
             levels.append(levels[-1].pooled(self.student.backbone.stride[s]))
-        return level_origins(levels, voxel_of_point, origin)
+        return level_origins(levels, voxel_of_point, origin)[:2]
 
     @property
     def _target_level(self) -> int:
@@ -161,12 +169,14 @@ def model_options(model: dict) -> dict:
 
 
 def level_origins(levels: list, voxel_of_point: torch.Tensor, origin: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(view of each voxel of levels[-1], mean `origin` of its points (float32)), `levels` from level 0 down,
-    each pooled level's `parent` mapping the finer level's voxels to it."""
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(view of each voxel of levels[-1], mean `origin` of its points (float32), each point's voxel of
+    levels[-1]), `levels` from level 0 down, each pooled level's `parent` mapping the finer level's voxels."""
     points = torch.bincount(voxel_of_point, minlength=levels[0].num_voxels).to(torch.float64)
     sums = points.new_zeros(levels[0].num_voxels, 3).index_add_(0, voxel_of_point, origin.to(torch.float64))
+    point_voxel = voxel_of_point
     for level_up in levels[1:]:
         sums = sums.new_zeros(level_up.num_voxels, 3).index_add_(0, level_up.parent, sums)
         points = points.new_zeros(level_up.num_voxels).index_add_(0, level_up.parent, points)
-    return levels[-1].batch, (sums / points.unsqueeze(1)).to(torch.float32)
+        point_voxel = level_up.parent.index_select(0, point_voxel)
+    return levels[-1].batch, (sums / points.unsqueeze(1)).to(torch.float32), point_voxel

@@ -27,7 +27,8 @@ def build_task(cfg: dict) -> Task:
     """The task of a resolved config: `cfg["task"]` (type and options) with the data's classes."""
     task = {"type": "SemanticSegmentation", **(cfg.get("task") or {})}
     if task["type"] == "SelfDistillation":  # its options are the published model's (model_options)
-        return SelfDistillation(model_options(cfg["model"]), seed=int(cfg.get("seed") or 0))
+        return SelfDistillation(model_options(cfg["model"]), seed=int(cfg.get("seed") or 0),
+                                class_names=model_classes(cfg)[1])
     task["loss"] = task_loss(cfg)  # task.loss, or the published model.criteria
     num_classes, class_names = model_classes(cfg)
     return TASKS.build(task, num_classes=num_classes, class_names=class_names)

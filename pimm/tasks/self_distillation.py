@@ -33,6 +33,7 @@ from torch import nn
 from pimm.data.multi_view import MultiViewSettings, multi_view
 from pimm.distributed.env import all_reduce_sum
 from pimm.tasks.base import Meter, Task, TaskOutput
+from pimm.tasks.metrics import metrics_from_confusion
 
 
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group) -> torch.Tensor:
@@ -138,7 +139,8 @@ def build_views(batch: dict, options: dict, values: dict, seed: int, step: int) 
     settings = MultiViewSettings(global_views=g, local_views=n_local, grid_size=float(options["grid_size"]))
     feat = batch["feat"].cpu().numpy().astype(np.float64)
     ends = batch["offset"].tolist()
-    parts: dict[str, list] = {k: [] for k in ("t_coord", "t_feat", "t_origin", "t_sizes", "s_coord", "s_feat",
+    segment = batch["segment"].cpu().numpy() if "segment" in batch else None
+    parts: dict[str, list] = {k: [] for k in ("t_coord", "t_feat", "t_origin", "t_sizes", "t_segment", "s_coord", "s_feat",
                                               "s_origin", "s_mask", "s_sizes", "l_coord", "l_feat", "l_origin",
                                               "l_sizes")}
     event_ids = batch["event_id"].tolist()
@@ -161,6 +163,8 @@ def build_views(batch: dict, options: dict, values: dict, seed: int, step: int) 
                 parts[f"{prefix}_origin"].append(origin)
                 parts[f"{prefix}_sizes"].append(b - a)
             parts["s_mask"].append(mask)
+            if segment is not None:
+                parts["t_segment"].append(segment[lo:hi][views["global_index"][a:b]])
         starts = [0, *views["local_offset"].tolist()]
         for v in range(n_local):
             a, b = starts[v], starts[v + 1]
@@ -175,6 +179,7 @@ def build_views(batch: dict, options: dict, values: dict, seed: int, step: int) 
     per_event = g + n_local
     ids = torch.tensor(event_ids, dtype=torch.int64)
     teacher = {"coord": cat("t_coord"), "feat": cat("t_feat"), "origin": cat("t_origin"),
+               **({"segment": cat("t_segment", torch.int64)} if segment is not None else {}),
                "offset": torch.tensor(parts["t_sizes"]).cumsum(0),
                "view_id": (ids.unsqueeze(1) * per_event + torch.arange(g)).flatten()}
     student = {"coord": torch.cat([cat("s_coord"), cat("l_coord")]), "feat": torch.cat([cat("s_feat"), cat("l_feat")]),
@@ -241,6 +246,8 @@ class SelfDistillation(Task):
         self.step = 0
         g = int(self.options["num_global_view"])
         self.weights = {kind: float(self.options[weight]) for kind, _, weight in LOSSES}
+        self.probe_classes = int(self.options.get("probe_classes") or 0)
+        self.class_names = list(class_names or [str(i) for i in range(self.probe_classes)])[:self.probe_classes]
         if g < 2:
             self.weights["roll_mask"] = 0.0
 
@@ -257,9 +264,15 @@ class SelfDistillation(Task):
             t = {k: v.to(device) for k, v in views.teacher.items()}
             s = {k: v.to(device) for k, v in views.student.items()}
             teacher = model(t["coord"], t["feat"], t["offset"], t["origin"], view_id=t["view_id"], part="teacher")
+            probe = {}
+            if self.probe_classes and "segment" in t:
+                probe = {"probe_feat": teacher.feat,
+                         "probe_label": majority_label(teacher.point_voxel, t["segment"], len(teacher.feat),
+                                                       self.probe_classes),
+                         "probe_event": teacher.view // int(self.options["num_global_view"])}
             s_view, s_origin = _unwrapped(model).view_voxels(s["coord"], s["offset"], s["origin"])
             item = {**{f"student_{k}": v for k, v in s.items()}, "offset": micro["offset"].to(device),
-                    "event_id": micro["event_id"].to(device)}
+                    "event_id": micro["event_id"].to(device), **probe}
             g, n_local, b = int(self.options["num_global_view"]), int(self.options["num_local_view"]), views.num_events
             views_total = b * (g + n_local)
             index = torch.arange(views_total, device=device)
@@ -297,13 +310,16 @@ class SelfDistillation(Task):
                      for one in _single_events(batch)]
             outputs = [self._student_loss(module, part) for part in parts]
             event_losses = torch.cat([o.event_losses for o in outputs])
-            return TaskOutput(event_losses.mean(), event_losses, None)
+            probes = [o.prediction for o in outputs if o.prediction is not None]
+            probe = {key: torch.cat([p[key] for p in probes]) for key in ("probe_logits", "probe_label")} \
+                if probes else None
+            return TaskOutput(event_losses.mean(), event_losses, probe)
         return self._student_loss(module, batch)
 
     def _student_loss(self, module: nn.Module, batch: dict) -> TaskOutput:
         out = module(batch["student_coord"], batch["student_feat"], batch["student_offset"], batch["student_origin"],
                      view_id=batch["student_view_id"], point_mask=batch["student_point_mask"], part="student",
-                     head_of_view=batch["student_head_of_view"])
+                     head_of_view=batch["student_head_of_view"], probe_feat=batch.get("probe_feat"))
         num_events = len(batch["offset"])
         num_views = len(batch["view_event"])
         event_losses = out.view.new_zeros(num_events, dtype=torch.float32)
@@ -323,7 +339,17 @@ class SelfDistillation(Task):
             event_sum = view_mean.new_zeros(num_events).index_add_(0, event, view_mean)
             event_views = view_mean.new_zeros(num_events).index_add_(0, event, matched.to(view_mean.dtype))
             event_losses = event_losses + self.weights[kind] * event_sum / event_views.clamp(min=1)
-        return TaskOutput(event_losses.mean(), event_losses, None)
+        if "probe" not in out.scores:
+            return TaskOutput(event_losses.mean(), event_losses, None)
+        logits, label = out.scores["probe"], batch["probe_label"]
+        labelled = label >= 0
+        per_voxel = F.cross_entropy(logits.float(), label.clamp(min=0), reduction="none") * labelled
+        events = batch["probe_event"]
+        probe_sum = per_voxel.new_zeros(num_events).index_add_(0, events, per_voxel)
+        probe_count = per_voxel.new_zeros(num_events).index_add_(0, events, labelled.to(per_voxel.dtype))
+        # the probe's loss trains the probe alone (its features are detached); it is part of each event's loss
+        event_losses = event_losses + probe_sum / probe_count.clamp(min=1)
+        return TaskOutput(event_losses.mean(), event_losses, {"probe_logits": logits.detach(), "probe_label": label})
 
     @torch.no_grad()
     def after_optimizer_step(self, model: nn.Module) -> None:
@@ -332,10 +358,19 @@ class SelfDistillation(Task):
                    [_local(p.detach()) for p in model.student.parameters()], self.values["momentum"])
 
     def make_meter(self, device: torch.device) -> Meter:
-        return LossMeter(device)
+        return LossMeter(device, self.probe_classes)
 
     def summary(self, result: dict) -> str:
-        return f"loss {result['loss']:.4f} ({int(result['events'])} events)"
+        probe = f" probe mIoU {result['probe_miou']:.4f}" if "probe_miou" in result else ""
+        return f"loss {result['loss']:.4f}{probe} ({int(result['events'])} events)"
+
+
+def majority_label(point_voxel: torch.Tensor, label: torch.Tensor, num_voxels: int, num_classes: int) -> torch.Tensor:
+    """(V,) each voxel's most common label among its points in 0..num_classes-1 (ties: the smaller), -1 if none."""
+    known = (label >= 0) & (label < num_classes)
+    votes = torch.bincount(point_voxel[known] * num_classes + label[known], minlength=num_voxels * num_classes)
+    votes = votes.view(num_voxels, num_classes)
+    return torch.where(votes.sum(1) > 0, votes.argmax(1), torch.full_like(votes[:, 0], -1))
 
 
 _NO_GROUP = "no group"
@@ -355,22 +390,38 @@ def _single_events(batch: dict) -> list[dict]:
     ends = batch["offset"].tolist()
     out = []
     for b, (lo, hi) in enumerate(zip([0, *ends[:-1]], ends)):
-        out.append({"feat": batch["feat"][lo:hi], "coord": batch["coord"][lo:hi],
-                    "offset": batch["offset"].new_tensor([hi - lo]), "event_id": batch["event_id"][b:b + 1]})
+        one = {"feat": batch["feat"][lo:hi], "coord": batch["coord"][lo:hi],
+               "offset": batch["offset"].new_tensor([hi - lo]), "event_id": batch["event_id"][b:b + 1]}
+        if "segment" in batch:
+            one["segment"] = batch["segment"][lo:hi]
+        out.append(one)
     return out
 
 
 class LossMeter(Meter):
-    """The mean event loss over every rank's events (a float64 sum and a count, all-reduced)."""
+    """The mean event loss over every rank's events (a float64 sum and a count, all-reduced), and with a probe
+    its confusion over the voxels of the teacher's views (int64, all-reduced): probe_miou, probe_iou."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, probe_classes: int = 0) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)
+        self.classes = probe_classes
+        self.confusion = torch.zeros(probe_classes * probe_classes, dtype=torch.int64, device=device)
 
     def update(self, output: TaskOutput, batch: dict) -> None:
         self.sums += torch.stack([output.event_losses.detach().double().sum(),
                                   torch.tensor(float(output.event_losses.numel()), dtype=torch.float64,
                                                device=self.sums.device)])
+        if output.prediction is not None:
+            label, pred = output.prediction["probe_label"], output.prediction["probe_logits"].argmax(1)
+            known = label >= 0
+            self.confusion.index_add_(0, label[known] * self.classes + pred[known],
+                                      torch.ones_like(label[known]))
 
     def compute(self) -> dict:
         all_reduce_sum(self.sums)
-        return {"loss": float(self.sums[0]) / max(float(self.sums[1]), 1.0), "events": int(self.sums[1])}
+        result = {"loss": float(self.sums[0]) / max(float(self.sums[1]), 1.0), "events": int(self.sums[1])}
+        if self.classes:
+            all_reduce_sum(self.confusion)
+            probe = metrics_from_confusion(self.confusion.view(self.classes, -1).cpu(), 0.0, result["events"])
+            result.update(probe_miou=probe["miou"], probe_iou=probe["iou"], probe_accuracy=probe["accuracy"])
+        return result
