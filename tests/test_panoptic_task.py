@@ -99,12 +99,13 @@ def test_an_events_loss_does_not_depend_on_the_events_beside_it(shards):
 
 @pytest.fixture(scope="module")
 def detector_runs(shards, tmp_path_factory) -> dict[str, Path]:
-    """A 2-rank run with a loader worker per rank, uninterrupted; the same interrupted after step 3 and resumed."""
+    """A 2-rank run (4 steps) with a loader worker per rank, uninterrupted; the same interrupted after step 2
+    and resumed."""
     exp = tmp_path_factory.mktemp("detector_runs")
     common = ["--resources.nproc-per-node", "2", "--run.no-timestamp", "--paths.exp-root", str(exp)]
-    data = [f"data.train.path={shards}", f"data.val.path={shards}", "num_worker=2", "log_event_ids=true"]
+    data = [f"data.train.path={shards}", f"data.val.path={shards}", "num_worker=2", "log_event_ids=true", "epochs=1"]
     runs = {}
-    for name, extra in (("full", []), ("cut", ["debug.interrupt_at_step=3"])):
+    for name, extra in (("full", []), ("cut", ["debug.interrupt_at_step=2"])):
         res = run_pimm(["launch", "--train.config", CONFIG, "--run.name", name, *common, "--", *data, *extra],
                        cwd=REPO, timeout=300)
         assert res.returncode == (0 if name == "full" else 75), res.stdout + res.stderr
