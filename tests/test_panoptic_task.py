@@ -95,6 +95,25 @@ def test_an_events_loss_does_not_depend_on_the_events_beside_it(shards):
     torch.testing.assert_close(together.event_losses, alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(together.loss, alone.mean(), rtol=1e-5, atol=1e-5)
     assert bool(torch.isfinite(alone).all()) and float(alone.detach().min()) > 0
+    # points the stuff head leaves out of the decoder count in no mask term (they would add ~2,500 each)
+    assert float(alone.detach().max()) < 100
+
+
+def test_interactions_as_instances_train_on_two_classes(shards):
+    cfg = tiny_config(shards, "task.label=interaction", "model.num_classes=2", "model.stuff_classes=[0]")
+    check_config(cfg)
+    dataset = build_dataset({**cfg["data"]["train"]}, seed=0)
+    torch.manual_seed(0)
+    model = build_model(cfg["model"]).train()
+    task = build_task(cfg)
+    assert task.class_names == ["stuff", "interaction"] and task.stuff_classes == (0,)
+    batch = collate_events([dataset[i] for i in range(2)])
+    point_class, instance = task.truth(batch)
+    assert set(point_class.unique().tolist()) <= {0, 1} and bool((instance[point_class == 0] == -1).all())
+    output = task.forward_loss(model, batch)
+    output.loss.backward()
+    assert 0 < float(output.loss) < 100
+    assert all(p.grad is not None for n, p in model.named_parameters() if n.startswith("decoder.blocks."))
 
 
 @pytest.fixture(scope="module")

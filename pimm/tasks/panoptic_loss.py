@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from scipy.optimize import linear_sum_assignment
 
-from pimm.models.query_detector import EventPrediction, LayerPrediction
+from pimm.models.query_detector import PADDING_BIAS, EventPrediction, LayerPrediction
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,10 @@ def hungarian_match(class_logits: torch.Tensor, mask_logits: torch.Tensor, targe
 def _layer_terms(layer: LayerPrediction, target: EventTargets, weights: DetectorLossWeights,
                  generator: torch.Generator | None) -> dict[str, torch.Tensor]:
     """One layer's unweighted loss terms for one event; a term without pairs (or targets) is left out."""
-    labelled = target.instance >= 0
+    # points of a true instance that the decoder read: a point the stuff head left out has the padding logit
+    # (published: it enters the mask terms anyway, a constant of ~2,500 per point in the focal loss that moves
+    # no gradient but buries the loss curve)
+    labelled = (target.instance >= 0) & (layer.mask_logits[0] > PADDING_BIAS / 2)
     masks = target.masks[:, labelled]
     mask_logits = layer.mask_logits[:, labelled]
     query, matched = hungarian_match(layer.class_logits, mask_logits, target.instance_class, masks, weights,
