@@ -157,3 +157,22 @@ def test_a_pretraining_config_the_run_cannot_train_is_refused(change, message):
     with pytest.raises(ConfigError, match="trained by self-distillation"):
         check_config(cfg)
     assert json.dumps(cfg["model"]["type"]) == '"Sonata-v1m1"'
+
+
+def test_pimm_test_of_a_pretraining_run_gives_its_validation_again(pretrain_runs, tmp_path):
+    """Evaluation cuts views with step 0's draws and every schedule at its end, each event on its own: the
+    validation loss is comparable across steps, and `pimm test` (here at 2 ranks) repeats it; predicting
+    classes with a self-distillation run is refused in one line."""
+    run = pretrain_runs["one"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["kind"] == "val"][-1]
+    res = run_pimm(["test", "--run-dir", str(run), "--split", "val", "--checkpoint", "last", "--out",
+                    str(tmp_path / "t"), "--resources.nproc-per-node", "2"], cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "pimm test: self-distillation loss" in res.stdout
+    tested = json.loads((tmp_path / "t" / "test_metrics.json").read_text())
+    assert tested["loss"] == pytest.approx(last["loss"], rel=1e-6) and tested["probe_miou"] == last["probe_miou"]
+    assert (tmp_path / "t" / "confusion.png").exists()
+    res = run_pimm(["predict", "--weights", str(run), "--data", str(tmp_path), "--out", str(tmp_path / "p.h5")],
+                   cwd=REPO)
+    assert res.returncode == 2 and "self-distillation run" in res.stderr, res.stderr

@@ -222,18 +222,19 @@ def write_results(out: Path, result: dict, spec: dict, names: list[str], provena
     """Rank 0: the metric, confusion and provenance files of one evaluation (test_metrics.json last:
     its presence marks a finished evaluation). Semantic segmentation: test_metrics.csv per class and the
     point confusion; Panoptic (a meter with per-event rows): test_metrics_per_event.csv and the pid
-    confusion of matched instances."""
-    confusion = {"class_names": names, "rows": "truth", "columns": "prediction", "counts": result["confusion"]}
+    confusion of matched instances; SelfDistillation: the loss, and with a probe its voxel confusion."""
     per_event = meter.per_event() if hasattr(meter, "per_event") else None
+    if "confusion" in result:  # self-distillation without a probe has none
+        confusion = {"class_names": names, "rows": "truth", "columns": "prediction", "counts": result["confusion"]}
+        if per_event is not None:
+            confusion["counts_of"] = "instances matched at the IoU threshold, by their classes"
+        write_atomic(out / "confusion.json", dumps(confusion, indent=2) + "\n")
+        plot_confusion(np.asarray(result["confusion"], np.int64), names, out / "confusion.png",
+                       title=f"{spec['split']}: {spec['checkpoint']} (step {spec.get('step')})")
     if per_event is not None:
-        confusion["counts_of"] = "instances matched at the IoU threshold, by their classes"
-    write_atomic(out / "confusion.json", dumps(confusion, indent=2) + "\n")
-    plot_confusion(np.asarray(result["confusion"], np.int64), names, out / "confusion.png",
-                   title=f"{spec['split']}: {spec['checkpoint']} (step {spec.get('step')})")
-    if per_event is None:
-        write_atomic(out / "test_metrics.csv", metrics_csv(result, names))
-    else:
         write_atomic(out / "test_metrics_per_event.csv", per_event_csv(per_event))
+    elif "iou" in result:
+        write_atomic(out / "test_metrics.csv", metrics_csv(result, names))
     write_atomic(out / "provenance.json", dumps(provenance, indent=2) + "\n")
     record = {**result, "class_names": names, "split": spec["split"], "checkpoint": spec["checkpoint"],
               "step": spec.get("step"), "weights": spec["weights"], "weights_sha256": spec["weights_sha256"]}

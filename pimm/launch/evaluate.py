@@ -133,6 +133,10 @@ def run_test(job: TestJob) -> int:
     if "miou" in m:
         print(f"pimm test: mIoU {num(m['miou'])} mAcc {num(m['macc'])} allAcc {num(m['allacc'])} over {m['events']} "
               f"events ({m['points']} points); results in {out}")
+    elif "ari_all_labelled" not in m:  # SelfDistillation
+        probe = f" probe mIoU {num(m.get('probe_miou'))}" if "probe_miou" in m else ""
+        print(f"pimm test: self-distillation loss {num(m.get('loss'))}{probe} over {int(m['events'])} events; "
+              f"results in {out}")
     else:  # Panoptic
         print(f"pimm test: ARI {num(m.get('ari_all_labelled'))} PQ {num(m.get('pq'))} purity {num(m.get('purity'))} "
               f"efficiency {num(m.get('efficiency'))} detection F1 {num(m.get('detection_f1'))} over "

@@ -140,6 +140,9 @@ def prepare_predict(args: PredictRequest) -> tuple[dict, Path, Path, Path | None
     if not 1 <= source["num_classes"] <= 256 or len(source["class_names"]) != source["num_classes"]:
         raise PimmError(f"--weights {args.weights}: {source['num_classes']} classes named {source['class_names']}; "
                         "a predictions file holds 1..256 classes, one name each")
+    if source["model"].get("type") == "Sonata-v1m1":
+        raise PimmError(f"--weights {args.weights} is a self-distillation run (Sonata-v1m1): it predicts no classes. "
+                        "Export its encoder (pimm export --layout published) and fine-tune it, then predict with that")
     if args.save_scores and source["model"].get("type") == "detector-v1m1":
         raise PimmError(SCORES_OF_A_DETECTOR)
     if source["run_dir"] is None:  # an export: nothing rewrites it

@@ -243,6 +243,7 @@ class SelfDistillation(Task):
         self.options = dict(model_options)
         self.seed = int(seed)
         self.values = step_values(self.options, 0, 1)
+        self.eval_values = step_values(self.options, 1, 1)  # every schedule at its end
         self.step = 0
         g = int(self.options["num_global_view"])
         self.weights = {kind: float(self.options[weight]) for kind, _, weight in LOSSES}
@@ -258,9 +259,12 @@ class SelfDistillation(Task):
     @torch.no_grad()
     def prepare_step(self, model: nn.Module, micro_batches: list[dict], device: torch.device,
                      global_targets: bool = True) -> list[dict]:
+        # evaluation: the schedules' final values and step 0's draws, so that a validation loss is comparable
+        # across steps and `pimm test` gives it again
+        values, step = (self.values, self.step) if global_targets else (self.eval_values, 0)
         prepared, rows = [], {kind: [] for kind in self.weights}
         for micro in micro_batches:
-            views = build_views(micro, self.options, self.values, self.seed, self.step)
+            views = build_views(micro, self.options, values, self.seed, step)
             t = {k: v.to(device) for k, v in views.teacher.items()}
             s = {k: v.to(device) for k, v in views.student.items()}
             teacher = model(t["coord"], t["feat"], t["offset"], t["origin"], view_id=t["view_id"], part="teacher")
@@ -296,9 +300,9 @@ class SelfDistillation(Task):
             if not scores:
                 continue
             if global_targets:
-                targets = sinkhorn_knopp(scores, self.values["teacher_temp"])
+                targets = sinkhorn_knopp(scores, values["teacher_temp"])
             else:  # evaluation: each micro-batch alone, no collective (ranks evaluate different numbers)
-                targets = [sinkhorn_knopp([s], self.values["teacher_temp"], group=_NO_GROUP)[0] for s in scores]
+                targets = [sinkhorn_knopp([s], values["teacher_temp"], group=_NO_GROUP)[0] for s in scores]
             for item, target in zip(prepared, targets):
                 item[f"{kind}_target"] = target
         return prepared
@@ -423,5 +427,6 @@ class LossMeter(Meter):
         if self.classes:
             all_reduce_sum(self.confusion)
             probe = metrics_from_confusion(self.confusion.view(self.classes, -1).cpu(), 0.0, result["events"])
-            result.update(probe_miou=probe["miou"], probe_iou=probe["iou"], probe_accuracy=probe["accuracy"])
+            result.update(probe_miou=probe["miou"], probe_iou=probe["iou"], probe_accuracy=probe["accuracy"],
+                          confusion=probe["confusion"])
         return result
