@@ -176,3 +176,22 @@ def test_pimm_test_of_a_pretraining_run_gives_its_validation_again(pretrain_runs
     res = run_pimm(["predict", "--weights", str(run), "--data", str(tmp_path), "--out", str(tmp_path / "p.h5")],
                    cwd=REPO)
     assert res.returncode == 2 and "self-distillation run" in res.stderr, res.stderr
+
+
+def test_the_weight_decay_schedule_is_the_published_one_of_the_global_step():
+    from pimm.engine.optim import WeightDecaySchedule
+
+    decayed, plain = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([{"params": [decayed], "weight_decay": 0.04},
+                                   {"params": [plain], "weight_decay": 0.0}])
+    schedule = WeightDecaySchedule({"final": 0.2, "ratio": 1.0}, optimizer, 100)
+    seen = []
+    for step in (1, 51, 100, 101):
+        schedule.apply(optimizer, step)
+        seen.append(optimizer.param_groups[0]["weight_decay"])
+        assert optimizer.param_groups[1]["weight_decay"] == 0.0
+    assert seen[0] == pytest.approx(0.04) and seen[1] == pytest.approx(0.12, abs=1e-3)
+    assert seen[2] == pytest.approx(0.2, abs=1e-4) and seen[3] == 0.2
+    optimizer.param_groups[0]["weight_decay"] = 7.0  # a checkpoint's value: the schedule starts from the config's
+    schedule.apply(optimizer, 1)
+    assert optimizer.param_groups[0]["weight_decay"] == pytest.approx(0.04)

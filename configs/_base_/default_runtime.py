@@ -21,6 +21,10 @@ clip_grad = None  # max gradient norm (None: no clipping)
 
 optimizer = dict(type="AdamW", lr=1e-3, weight_decay=0.01)
 scheduler = None  # None: constant learning rate
+# dict(final=0.2, ratio=1.0): every group's weight decay goes from its own value to `final` on a half cosine
+# over ratio x the schedule's steps, a function of the global step (the published WeightDecayScheduler);
+# groups without weight decay keep none. None: constant
+weight_decay_schedule = None
 
 log_every = 10  # optimizer steps between train log lines / metrics records
 eval_every_epochs = 1

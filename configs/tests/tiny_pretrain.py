@@ -1,5 +1,5 @@
 # Tiny Sonata-style self-distillation for tests: the published Sonata-v1m1 (configs/panda/pretrain/
-# pretrain-sonata-v1m1-pilarnet-smallmask.py) on a ~60k-parameter PT-v3m2 encoder, reading PILArNet-layout
+# pretrain-sonata-v1m1-pilarnet-smallmask.py) on an 86k-parameter PT-v3m2 encoder, reading PILArNet-layout
 # shards under data/tests/pilarnet (make them with `pimm data synth --layout pilarnet --out data/tests/pilarnet
 # --events 32 --split train`, and --split val). Views are cut in the feature coordinates (pimm features: the
 # 768-voxel volume spans [-1, 1], one voxel is 2/768 = 0.0026).
@@ -55,6 +55,7 @@ model = dict(
 )
 task = dict(_delete_=True, type="SelfDistillation")
 optimizer = dict(type="AdamW", lr=2e-3, weight_decay=0.04)
+weight_decay_schedule = dict(final=0.2, ratio=1.0)  # as the published recipe: 0.04 -> 0.2 over the run
 
 _pilarnet = dict(type="PILArNetDataset", path="data/tests/pilarnet", revision="v2", label="motif", min_points=10)
 data = dict(

@@ -132,6 +132,10 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
     ("scheduler", OPTIONAL, optional(component("scheduler", names.SCHEDULERS), "a constant learning rate")),
     ("scheduler.type", REQUIRED, one_of(names.SCHEDULERS)),
     ("clip_grad", OPTIONAL, optional(number(0, strict=True), "no clipping")),
+    ("weight_decay_schedule", OPTIONAL, optional(DICT, "a constant weight decay")),
+    ("weight_decay_schedule.final", REQUIRED, number(0, strict=False)),
+    ("weight_decay_schedule.ratio", OPTIONAL, Rule("a number in (0, 1] (the share of the schedule's steps the "
+                                                   "cosine spans)", lambda v: _is_number(v) and 0 < v <= 1)),
     ("amp", OPTIONAL, optional(DICT, "no autocast")),
     ("amp.enabled", OPTIONAL, BOOL),
     ("amp.dtype", OPTIONAL, one_of(names.AMP_DTYPES, notes={

@@ -11,6 +11,7 @@ from pimm import names
 from pimm.errors import ConfigError
 from pimm.models import build_model
 from pimm.registry import Registry
+from pimm.tasks.self_distillation import cosine_schedule
 
 OPTIMIZERS = Registry("optimizer")
 for _name in names.OPTIMIZERS:
@@ -104,6 +105,23 @@ def group_facts(optimizer: torch.optim.Optimizer, lr: float) -> list[dict]:
 def build_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
     """`params`: parameters, or groups as from parameter_groups."""
     return OPTIMIZERS.build(cfg, params)
+
+
+class WeightDecaySchedule:
+    """The published WeightDecayScheduler (DeepLearnPhysics/pimm pimm/engines/hooks/misc.py) as a function of
+    the global step: before step s (1-based) every group whose configured weight decay is > 0 takes
+    cosine_schedule(s - 1, ratio x total, its own value, final); the others keep 0. A resume at any world
+    size continues it where it stopped (the published hook re-derives its position from the epoch)."""
+
+    def __init__(self, cfg: dict, optimizer: torch.optim.Optimizer, total_steps: int) -> None:
+        self.final = float(cfg["final"])
+        self.total = max(int(total_steps * float(cfg.get("ratio", 1.0))), 1)
+        self.base = [float(group["weight_decay"]) for group in optimizer.param_groups]  # the config's, not a checkpoint's
+
+    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        for group, base in zip(optimizer.param_groups, self.base):
+            if base > 0:
+                group["weight_decay"] = cosine_schedule(step - 1, self.total, base=base, final=self.final)
 
 
 def build_scheduler(cfg: dict | None, optimizer: torch.optim.Optimizer, total_steps: int):

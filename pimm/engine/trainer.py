@@ -36,7 +36,8 @@ from pimm.distributed.env import DistEnv, all_gather_objects, all_reduce_sum, ba
 from pimm.distributed.strategy import build_strategy
 from pimm.engine.evaluation import evaluate_events, to_device
 from pimm.engine.logs import MetricsWriter, TensorBoardScalars, WandbScalars
-from pimm.engine.optim import build_optimizer, build_scheduler, freeze_parameters, group_facts, parameter_groups
+from pimm.engine.optim import (WeightDecaySchedule, build_optimizer, build_scheduler, freeze_parameters, group_facts,
+                               parameter_groups)
 from pimm.engine.plot import plot_metrics
 from pimm.errors import EXIT_CHECKPOINTED, EXIT_FAILED, ConfigError, TrainingError
 from pimm.files import atomic_path, write_atomic
@@ -108,6 +109,8 @@ class Trainer:
             log.info("optimizer group %s: %d tensors (%d elements), lr %.3g, weight_decay %s; %d tensors frozen",
                      g["params"], g["tensors"], g["elements"], g["lr"], g["weight_decay"], len(self.frozen))
         self.scheduler = build_scheduler(cfg.get("scheduler"), self.optimizer, schedule_steps)
+        self.weight_decay = (WeightDecaySchedule(cfg["weight_decay_schedule"], self.optimizer, schedule_steps)
+                             if cfg.get("weight_decay_schedule") else None)
         self._seed_rank_streams()
 
         amp = cfg.get("amp") or {}
@@ -511,6 +514,8 @@ class Trainer:
         grad_norm = self.strategy.clip_grad_norm(self.module, self.clip_grad or math.inf)
         if not torch.isfinite(grad_norm):
             self._stop_nonfinite(step_loss, grad_norm)
+        if self.weight_decay is not None:
+            self.weight_decay.apply(self.optimizer, self.state.step + 1)
         self.optimizer.step()
         self.task.after_optimizer_step(model)
         self.scheduler.step()
