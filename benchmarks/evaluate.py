@@ -60,13 +60,13 @@ def rank_main(args: argparse.Namespace) -> None:
 
     from pimm.config import load_config, resolve_config_path
     from pimm.config.paths import config_roots
+    from pimm.config.validate import model_classes
     from pimm.data.collate import collate_events
     from pimm.data.dataset import build_dataset
     from pimm.data.predictions import merge_predictions
     from pimm.data.sampler import ShardedEvalSampler
     from pimm.distributed.env import all_reduce_max, all_reduce_sum, barrier, destroy_distributed, init_distributed
     from pimm.distributed.strategy import build_strategy
-    from pimm.config.validate import model_classes
     from pimm.engine.evaluation import evaluate_events, prediction_writer
     from pimm.models import build_model
     from pimm.tasks import build_task

@@ -7,7 +7,8 @@ pimm.distributed.strategy) register exactly these names, and the launcher's conf
 
 OPTIMIZERS = ("SGD", "Adam", "AdamW")  # torch.optim classes of the same name
 SCHEDULERS = ("OneCycleLR", "CosineAnnealingLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR")
-MODELS = ("PointSegNet", "PointTransformer", "DefaultSegmentorV2", "detector-v1m1", "Sonata-v1m1")  # their options: pimm.config.validate.MODEL_OPTIONS
+# their options: pimm.config.validate.MODEL_OPTIONS
+MODELS = ("PointSegNet", "PointTransformer", "DefaultSegmentorV2", "detector-v1m1", "Sonata-v1m1")
 BACKBONES = ("PT-v3m2",)  # DefaultSegmentorV2(backbone=dict(type=...)): pimm.config.validate.BACKBONE_OPTIONS
 # the `feat` columns every dataset gives a point (pimm.data.dataset): a model's in_channels must match
 FEATURE_COLUMNS = ("x", "y", "z", "log_energy")
@@ -16,9 +17,10 @@ FEATURE_MODES = ("pimm", "published")
 TASKS = ("SemanticSegmentation", "Panoptic", "SelfDistillation")  # pimm.tasks
 PANOPTIC_LABELS = ("particle", "interaction")  # Panoptic label=...: what an instance is
 # the per-event metrics of a Panoptic evaluation (pimm.panoptic_metrics); each may be task.best_metric
-PANOPTIC_EVENT_METRICS = ("ari_all_labelled", "ari_predicted_things", "ami_all_labelled", "purity", "efficiency", "dice",
-                          "detection_precision", "detection_recall", "detection_f1", "matched_iou", "pq", "sq", "rq")
-# Panoptic task.loss: DetectorLossWeights fields (pimm.tasks.panoptic_loss), and the published criterion's names for them
+PANOPTIC_EVENT_METRICS = ("ari_all_labelled", "ari_predicted_things", "ami_all_labelled", "purity", "efficiency",
+                          "dice", "detection_precision", "detection_recall", "detection_f1", "matched_iou", "pq", "sq",
+                          "rq")
+# Panoptic task.loss: DetectorLossWeights fields (pimm.tasks.panoptic_loss), and the published criterion's names
 PANOPTIC_LOSS_WEIGHTS = ("cost_class", "cost_mask", "cost_dice", "match_points", "focal", "dice", "class_matched",
                          "class_no_object", "momentum", "vertex", "focal_alpha", "focal_gamma", "aux")
 PUBLISHED_INSTANCE_LOSS = {

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, assert_bitwise_equal, losses, pimm_in_process, run_pimm, weights
+
 from pimm import names
 from pimm.config import apply_overrides, load_config, parse_overrides
 from pimm.config.validate import check_config
@@ -41,7 +41,7 @@ def tiny_config(shards: Path, *overrides: str) -> dict:
 
 
 def test_the_loss_weights_a_config_may_set_are_the_loss_fields():
-    assert names.PANOPTIC_LOSS_WEIGHTS == tuple(f.name for f in dataclasses.fields(DetectorLossWeights))
+    assert tuple(f.name for f in dataclasses.fields(DetectorLossWeights)) == names.PANOPTIC_LOSS_WEIGHTS
     assert set(names.PUBLISHED_INSTANCE_LOSS.values()) <= set(names.PANOPTIC_LOSS_WEIGHTS)
 
 

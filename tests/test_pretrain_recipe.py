@@ -6,13 +6,14 @@ Fast: configs are loaded and checked, models built on the meta device.
 
 import math
 
+import published_groups
 import pytest
 import torch
 from conftest import REPO
 
 from pimm.config import load_config
 from pimm.config.validate import check_config
-from pimm.engine.optim import build_optimizer, build_scheduler, check_parameter_patterns, parameter_groups
+from pimm.engine.optim import build_optimizer, build_scheduler, check_parameter_patterns
 from pimm.models import build_model
 
 SCALE = 768.0 * math.sqrt(3.0) / 2.0  # NormalizeCoord's scale, pt.py:125
@@ -119,31 +120,16 @@ def published_lr_and_decay(model: torch.nn.Module) -> dict[str, tuple[float, flo
     group at base_lr), then the WeightDecayExclusion hook (pt.py:281-288, hooks/misc.py)."""
     keywords = [(f"enc{e}.block{b}.", BASE_LR * LR_DECAY ** (sum(ENC_DEPTHS) - sum(ENC_DEPTHS[:e]) - b - 1))
                 for e in range(len(ENC_DEPTHS)) for b in range(ENC_DEPTHS[e])]
-    out = {}
-    for n, p in model.named_parameters():
-        if not p.requires_grad:  # the teacher and the heads' fixed norms: no gradient, AdamW leaves them alone
-            continue
-        lr = next((lr for keyword, lr in keywords if keyword in n), BASE_LR)
-        lower = n.lower()
-        excluded = n.endswith(".bias") or "norm" in lower or "gamma" in lower or "token" in lower or p.ndim == 1
-        out[n] = (lr, 0.0 if excluded else BASE_WD)
-    return out
+    # the teacher and the heads' fixed norms have no gradient: AdamW leaves them alone
+    return published_groups.published_lr_and_decay(model, keywords, BASE_LR, BASE_WD)
 
 
 def test_param_groups_give_every_parameter_the_published_lr_and_weight_decay():
     cfg = recipe()
     model = meta_model(cfg["model"])
     expected = published_lr_and_decay(model)
-    groups = parameter_groups(model.named_parameters(), cfg["optimizer"], cfg["param_groups"])
-    ids = {id(p): n for n, p in model.named_parameters()}
-    seen = {}
-    for group in groups:
-        decay = group.get("weight_decay", cfg["optimizer"]["weight_decay"])
-        for p in group["params"]:
-            seen[ids[id(p)]] = (cfg["optimizer"]["lr"] * group["lr_scale"], decay)
-    assert seen.keys() == expected.keys()
-    wrong = [(n, seen[n], expected[n]) for n in expected
-             if seen[n][1] != expected[n][1] or not math.isclose(seen[n][0], expected[n][0], rel_tol=1e-12)]
+    seen, groups = published_groups.pimm_lr_and_decay(model, cfg)
+    wrong = published_groups.mismatches(seen, expected)
     assert not wrong, wrong[:5]
     lrs = {lr for lr, _ in expected.values()}
     assert min(lrs) == pytest.approx(BASE_LR * LR_DECAY**20) and max(lrs) == BASE_LR  # enc0.block0 .. default

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, assert_bitwise_equal, copy_exp, losses, run_pimm, steps, weights
+
 from pimm.config import load_config
 from pimm.config.validate import check_config
 from pimm.data.synth import write_pilarnet

@@ -8,6 +8,7 @@ comes from. Fast: configs are loaded, models built on the meta device, transform
 import math
 
 import numpy as np
+import published_groups
 import pytest
 import torch
 from conftest import REPO
@@ -17,7 +18,7 @@ from pimm.config.validate import task_loss
 from pimm.data.dataset import build_dataset
 from pimm.data.synth import write_pilarnet
 from pimm.data.transforms import build_transforms, feature_columns
-from pimm.engine.optim import build_optimizer, build_scheduler, parameter_groups
+from pimm.engine.optim import build_optimizer, build_scheduler
 from pimm.models import build_model
 
 RECIPES = ("lin", "dec", "fft", "scratch")
@@ -129,16 +130,7 @@ def published_lr_and_decay(name: str, model: torch.nn.Module) -> dict[str, tuple
             for b in range(depth):
                 exponent = sum(dec_depths) - sum(dec_depths[:e]) - b - 1
                 keywords.append((f"dec{e}.block{b}.", base_lr * (0.9**exponent)))
-    out = {}
-    for n, p in model.named_parameters():
-        if not p.requires_grad:  # no gradient: AdamW leaves it alone
-            continue
-        lr = next((lr for keyword, lr in keywords if keyword in n), base_lr)
-        lower = n.lower()
-        excluded = exclusion and (n.endswith(".bias") or "norm" in lower or "gamma" in lower or "token" in lower
-                                  or p.ndim == 1)
-        out[n] = (lr, 0.0 if excluded else base_wd)
-    return out
+    return published_groups.published_lr_and_decay(model, keywords, base_lr, base_wd, exclusion)
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -147,16 +139,8 @@ def test_param_groups_give_every_parameter_the_published_lr_and_weight_decay(nam
     with torch.device("meta"):
         model = build_model(cfg["model"])
     expected = published_lr_and_decay(name, model)
-    groups = parameter_groups(model.named_parameters(), cfg["optimizer"], cfg["param_groups"])
-    ids = {id(p): n for n, p in model.named_parameters()}
-    seen = {}
-    for group in groups:
-        decay = group.get("weight_decay", cfg["optimizer"]["weight_decay"])
-        for p in group["params"]:
-            seen[ids[id(p)]] = (cfg["optimizer"]["lr"] * group["lr_scale"], decay)
-    assert seen.keys() == expected.keys()
-    wrong = [(n, seen[n], expected[n]) for n in expected
-             if seen[n][1] != expected[n][1] or not math.isclose(seen[n][0], expected[n][0], rel_tol=1e-12)]
+    seen, groups = published_groups.pimm_lr_and_decay(model, cfg)
+    wrong = published_groups.mismatches(seen, expected)
     assert not wrong, wrong[:5]
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     if name == "lin":  # freeze_backbone, lin.py:65: only the head trains

@@ -37,6 +37,7 @@ import torch
 from pimm import __version__
 from pimm.checkpoint.weights import load_weight_file
 from pimm.config import config_hash, read_run_config
+from pimm.config.validate import model_classes
 from pimm.data.collate import collate_events
 from pimm.data.dataset import build_dataset
 from pimm.data.event_file import validate_data
@@ -51,7 +52,6 @@ from pimm.engine.logs import setup_logging
 from pimm.engine.plot import plot_confusion
 from pimm.files import write_atomic
 from pimm.json_io import dumps
-from pimm.config.validate import model_classes
 from pimm.models import DetectorOutput, build_model
 from pimm.models.sparse_conv import apply_backends
 from pimm.signals import die_with_parent, loader_workers_forked

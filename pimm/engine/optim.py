@@ -116,7 +116,8 @@ class WeightDecaySchedule:
     def __init__(self, cfg: dict, optimizer: torch.optim.Optimizer, total_steps: int) -> None:
         self.final = float(cfg["final"])
         self.total = max(int(total_steps * float(cfg.get("ratio", 1.0))), 1)
-        self.base = [float(group["weight_decay"]) for group in optimizer.param_groups]  # the config's, not a checkpoint's
+        # the config's values (read before a checkpoint's param groups are loaded)
+        self.base = [float(group["weight_decay"]) for group in optimizer.param_groups]
 
     def apply(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         for group, base in zip(optimizer.param_groups, self.base):

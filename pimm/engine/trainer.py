@@ -36,8 +36,14 @@ from pimm.distributed.env import DistEnv, all_gather_objects, all_reduce_sum, ba
 from pimm.distributed.strategy import build_strategy
 from pimm.engine.evaluation import evaluate_events, to_device
 from pimm.engine.logs import MetricsWriter, TensorBoardScalars, WandbScalars
-from pimm.engine.optim import (WeightDecaySchedule, build_optimizer, build_scheduler, freeze_parameters, group_facts,
-                               parameter_groups)
+from pimm.engine.optim import (
+    WeightDecaySchedule,
+    build_optimizer,
+    build_scheduler,
+    freeze_parameters,
+    group_facts,
+    parameter_groups,
+)
 from pimm.engine.plot import plot_metrics
 from pimm.errors import EXIT_CHECKPOINTED, EXIT_FAILED, ConfigError, TrainingError
 from pimm.files import atomic_path, write_atomic

@@ -2,9 +2,9 @@
 
 from pimm.models.detector import Detector, DetectorOutput
 from pimm.models.point_seg_net import Block, PointSegNet
-from pimm.models.sonata import Sonata
 from pimm.models.point_transformer import PointTransformer, TransformerBlock
 from pimm.models.point_transformer_v3m2 import DefaultSegmentorV2, PointTransformerV3
+from pimm.models.sonata import Sonata
 from pimm.registry import Registry
 
 MODELS = Registry("model")
@@ -20,5 +20,6 @@ def build_model(cfg: dict):
     return MODELS.build(cfg)
 
 
-__all__ = ["MODELS", "Block", "DefaultSegmentorV2", "Detector", "DetectorOutput", "PointSegNet", "PointTransformer", "PointTransformerV3",
+__all__ = ["MODELS", "Block", "DefaultSegmentorV2", "Detector", "DetectorOutput", "PointSegNet", "PointTransformer",
+           "PointTransformerV3",
            "TransformerBlock", "build_model"]

@@ -31,8 +31,13 @@ from pimm.config.validate import check_model_arguments
 from pimm.data.collate import offset_to_batch_index
 from pimm.models.point_seg_net import cluster_mean
 from pimm.models.point_transformer_v3m2 import PointTransformerV3, grid_sample, point_features
-from pimm.models.query_detector import PADDING_BIAS, EventInstances, EventPrediction, QueryDetector, \
-    instances_from_queries
+from pimm.models.query_detector import (
+    PADDING_BIAS,
+    EventInstances,
+    EventPrediction,
+    QueryDetector,
+    instances_from_queries,
+)
 
 # the other published options with no effect here: enable_flash, upcast_attention, upcast_softmax (attention is
 # SDPA, in the autocast dtype) and attn_mask_anneal_steps / _warmup_steps / _progressive_delay (no annealing)
@@ -128,7 +133,8 @@ class Detector(nn.Module):
         # an event with no thing voxel keeps its most thing-like one: the decoder needs a point per event
         most_thing = torch.full((num_events,), torch.inf, device=stuff_logits.device).scatter_reduce(
             0, voxel_event, stuff_logits.detach().float(), "amin")
-        has_thing = torch.zeros(num_events, dtype=torch.bool, device=thing.device).index_fill_(0, voxel_event[thing], True)
+        has_thing = torch.zeros(num_events, dtype=torch.bool, device=thing.device)
+        has_thing.index_fill_(0, voxel_event[thing], True)
         fallback = ~has_thing[voxel_event] & (stuff_logits.detach().float() == most_thing[voxel_event])
         return thing | fallback
 
@@ -146,13 +152,8 @@ class Detector(nn.Module):
             kept = attend[v0:v1]
             column[kept] = torch.arange(int(kept.sum()), device=attend.device)
             point_column = column[voxel_of_point[p0:p1] - v0]
-
-            def expand(mask_logits: torch.Tensor) -> torch.Tensor:
-                padded = torch.cat([mask_logits, mask_logits.new_full((len(mask_logits), 1), PADDING_BIAS)], 1)
-                return padded[:, torch.where(point_column < 0, mask_logits.shape[1], point_column)]
-
             for layer in prediction.layers:
-                layer.mask_logits = expand(layer.mask_logits)
+                layer.mask_logits = _to_point_columns(layer.mask_logits, point_column)
             out.append(prediction)
         return out
 
@@ -174,3 +175,10 @@ class Detector(nn.Module):
             start += size
             result.append(found)
         return result
+
+
+def _to_point_columns(mask_logits: torch.Tensor, point_column: torch.Tensor) -> torch.Tensor:
+    """(Q, attended voxels) -> (Q, points): each point takes its voxel's column, PADDING_BIAS where the voxel
+    was not attended (point_column -1)."""
+    padded = torch.cat([mask_logits, mask_logits.new_full((len(mask_logits), 1), PADDING_BIAS)], 1)
+    return padded[:, torch.where(point_column < 0, mask_logits.shape[1], point_column)]

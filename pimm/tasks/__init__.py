@@ -34,4 +34,5 @@ def build_task(cfg: dict) -> Task:
     return TASKS.build(task, num_classes=num_classes, class_names=class_names)
 
 
-__all__ = ["LOSSES", "TASKS", "Meter", "Panoptic", "SelfDistillation", "SemanticSegmentation", "Task", "TaskOutput", "build_task", "event_mean_loss"]
+__all__ = ["LOSSES", "TASKS", "Meter", "Panoptic", "SelfDistillation", "SemanticSegmentation", "Task", "TaskOutput",
+           "build_task", "event_mean_loss"]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,7 +50,7 @@ class Task(ABC):
         """One log line of a validation result (`make_meter().compute()`)."""
 
     # the optimizer step's hooks, called by the trainer in this order; the defaults do nothing
-    def begin_step(self, step: int, total_steps: int) -> None:
+    def begin_step(self, step: int, total_steps: int) -> None:  # noqa: B027 (an optional hook)
         """Before optimizer step `step` (1-based) of `total_steps`: set what depends on the global step."""
 
     def prepare_step(self, model: nn.Module, micro_batches: list[dict], device: torch.device) -> list[dict]:
@@ -59,7 +59,7 @@ class Task(ABC):
         the unwrapped module (the strategy's eval_module)."""
         return micro_batches
 
-    def after_optimizer_step(self, model: nn.Module) -> None:
+    def after_optimizer_step(self, model: nn.Module) -> None:  # noqa: B027 (an optional hook)
         """After the optimizer step (an EMA teacher moves here); `model` as in prepare_step."""
 
     def must_be_finite(self, result: dict) -> dict:

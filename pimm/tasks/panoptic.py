@@ -7,13 +7,14 @@
 - label="interaction": an instance is an interaction (the `interaction` target); classes are
   ("stuff", "interaction") with stuff_classes [0], as the published vtx recipe's (num_classes=2).
 
-The loss is the published InstanceSegmentationLoss (pimm.tasks.panoptic_loss, weights from task.loss or
-the pasted model.criteria, checked by pimm.config.validate.panoptic_loss_weights) plus, with the model's stuff head, a binary cross-entropy of each point's
-stuff logit (detector_v1m1.py:_compute_stuff_loss, weight 1). Every term is per event and the batch's
-loss is the mean over its events, so the gradient is the same at any world size and accumulation.
-Matching points (only drawn for events above match_points points) come from a generator keyed by the
-event id. Validation and `pimm test` post-process each event (the model's thresholds) and score it with
-pimm.panoptic_metrics; every event is counted once across ranks (the accumulators are gathered).
+The loss is the published InstanceSegmentationLoss (pimm.tasks.panoptic_loss, weights from task.loss or the
+pasted model.criteria, checked by pimm.config.validate.panoptic_loss_weights) plus, with the model's stuff
+head, a binary cross-entropy of each point's stuff logit (detector_v1m1.py:_compute_stuff_loss, weight 1).
+Every term is per event and the batch's loss is the mean over its events, so the gradient is the same at any
+world size and accumulation. Matching points (only drawn for events above match_points points) come from a
+generator keyed by the event id. Validation and `pimm test` post-process each event (the model's thresholds)
+and score it with pimm.panoptic_metrics; every event is counted once across ranks (the accumulators are
+gathered).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from torch import nn
 from pimm.config.validate import panoptic_loss_weights
 from pimm.distributed.env import all_gather_objects, all_reduce_sum
 from pimm.names import PANOPTIC_LABELS
+from pimm.panoptic_metrics import EVENT_METRICS, PanopticAccumulator
 from pimm.tasks.base import Meter, Task, TaskOutput
 from pimm.tasks.panoptic_loss import DetectorLossWeights, detector_event_losses, event_targets
-from pimm.panoptic_metrics import EVENT_METRICS, PanopticAccumulator
 
 # every name a validation result gives that can pick model_best.pth -> higher is better
 BEST_METRICS = {**{name: True for name in EVENT_METRICS}, "pq_pooled": True, "detection_f1_pooled": True,
@@ -66,10 +67,7 @@ class Panoptic(Task):
             raise KeyError(f"the batch has no '{self.label}' target: the Panoptic task reads PILArNetDataset("
                            "instances=True) (set data.<split>.instances=True)")
         instance = batch[self.label]
-        if self.label == "interaction":
-            point_class = (instance >= 0).long()
-        else:
-            point_class = batch["segment"]
+        point_class = (instance >= 0).long() if self.label == "interaction" else batch["segment"]
         if self.stuff_classes:
             stuff = torch.isin(point_class, torch.tensor(self.stuff_classes, device=point_class.device))
             instance = torch.where(stuff, torch.full_like(instance, -1), instance)

@@ -140,9 +140,9 @@ def build_views(batch: dict, options: dict, values: dict, seed: int, step: int) 
     feat = batch["feat"].cpu().numpy().astype(np.float64)
     ends = batch["offset"].tolist()
     segment = batch["segment"].cpu().numpy() if "segment" in batch else None
-    parts: dict[str, list] = {k: [] for k in ("t_coord", "t_feat", "t_origin", "t_sizes", "t_segment", "s_coord", "s_feat",
-                                              "s_origin", "s_mask", "s_sizes", "l_coord", "l_feat", "l_origin",
-                                              "l_sizes")}
+    names = ("t_coord", "t_feat", "t_origin", "t_sizes", "t_segment", "s_coord", "s_feat", "s_origin", "s_mask",
+             "s_sizes", "l_coord", "l_feat", "l_origin", "l_sizes")
+    parts: dict[str, list] = {k: [] for k in names}
     event_ids = batch["event_id"].tolist()
     for event_id, lo, hi in zip(event_ids, [0, *ends[:-1]], ends):
         rng = np.random.default_rng([seed, step, int(event_id)])
