@@ -1,48 +1,70 @@
-"""Particle instances by DBSCAN on the points of each semantic class: the baseline a learned detector
-must beat, scored with pimm's panoptic metrics on generated PILArNet-M-layout events.
+"""Particles found by the query detector against DBSCAN on semantic classes, on generated PILArNet-M-layout
+events, both models trained here within a CPU budget and scored with pimm's panoptic metrics.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/panoptic.py [--events 200] [--points-per-event 4000]
-                                                              [--eps 1.9,4,8] [--min-samples 1] [--out FILE]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/panoptic.py [--seconds 240] [--events 200] [--test-events 50]
+        [--points-per-event 4000] [--eps 1.9,4,8,12] [--out FILE]
 
-Events: `pimm data synth --layout pilarnet --revision v2` (1 to 3 interactions and the rain per
-image), read with `PILArNetDataset(instances=True, energy_threshold=0.13)`. Truth: the particle
-instances (group ids; the low-energy deposits are stuff) with their majority motif class. Baseline:
-scikit-learn's DBSCAN on the voxels of each non-stuff motif class separately, each cluster one
-instance of that class, one row per eps (in voxels: 1.9 joins the 26 neighbours of a voxel; pimm's
-generated events leave gaps of a few voxels along a particle, which larger radii bridge). Given the true semantic
-labels here; given a model's predicted labels once a semantic model is passed (not yet: the query
-detector and its training are not in pimm yet, so this prints the baseline alone).
+Events: `pimm data synth --layout pilarnet --revision v2` (1 to 3 interactions and the rain per image),
+training and held-out events from two seeds, read as the configs' data say (PILArNetDataset(instances=True),
+pid classes, "none" as stuff). Two models on the same PT-v3m2 encoder (configs/bench/panoptic_detector.py and
+panoptic_semseg.py) train in one process through pimm's own pieces (build_model, build_task,
+task.forward_loss, the config's AdamW, collate_events) until each has spent --seconds of CPU time (all
+threads) in its own steps. Their steps alternate on the same batches, in ABBA order, so the step-time ratio
+sees the same events and the same machine.
+
+Rows of the table, every one scored by PanopticAccumulator on the held-out events with the task's truth
+(particles as instances, their majority class, stuff left out):
+- the detector (its post-processed instances, the config's thresholds);
+- DBSCAN (scikit-learn) on the voxels of each non-stuff class the semantic model predicts, each cluster one
+  instance of that class;
+- DBSCAN on the true classes.
+Each DBSCAN row uses the radius of --eps that gives it the best ARI (all labelled) on --select-events training
+events, never the held-out ones. Also printed: the mean training step of the detector against the semantic
+model's (same backbone, same batches) and the share of the detector's step spent in Hungarian matching
+(pimm.tasks.panoptic_loss.hungarian_match, timed by wrapping it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 from sklearn.cluster import DBSCAN
 
+from pimm.config import load_config, resolve_config_path
+from pimm.config.paths import config_roots
+from pimm.data.collate import collate_events
 from pimm.data.dataset import PILArNetDataset
-from pimm.data.pilarnet_file import MOTIF_NAMES
 from pimm.data.synth import write_pilarnet
-from pimm.tasks.panoptic_metrics import PanopticAccumulator
+from pimm.engine.optim import build_optimizer
+from pimm.models import build_model
+from pimm.panoptic_metrics import PanopticAccumulator
+from pimm.tasks import Panoptic, Task, build_task, panoptic_loss
+from pimm.tasks.panoptic import event_arrays
 
-STUFF = MOTIF_NAMES.index("low_energy")
 COLUMNS = ("ari_all_labelled", "ari_predicted_things", "purity", "efficiency", "pq", "detection_f1")
+HEADERS = ("ARI (all labelled)", "ARI (predicted things)", "purity", "efficiency", "PQ", "detection F1")
+WARMUP_PAIRS = 2  # the first alternating steps (allocator and caches warming up) are left out of the timings
 
 
-def dbscan_instances(coord: np.ndarray, semantic: np.ndarray, eps: float, min_samples: int) -> np.ndarray:
-    """Per-point instance ids (-1: stuff or noise): DBSCAN on the points of each non-stuff class."""
+def dbscan_instances(coord: np.ndarray, point_class: np.ndarray, stuff_classes: tuple[int, ...], eps: float,
+                     min_samples: int) -> np.ndarray:
+    """Per-point instance ids (-1: stuff, no class or noise): DBSCAN on the points of each non-stuff class."""
     instance = np.full(len(coord), -1, np.int64)
     next_id = 0
-    for cls in np.unique(semantic):
-        if cls < 0 or cls == STUFF:
+    for cls in np.unique(point_class):
+        if cls < 0 or cls in stuff_classes:
             continue
-        rows = np.flatnonzero(semantic == cls)
+        rows = np.flatnonzero(point_class == cls)
         labels = DBSCAN(eps=eps, min_samples=min_samples).fit_predict(coord[rows])
         found = labels >= 0
         instance[rows[found]] = labels[found] + next_id
@@ -50,46 +72,287 @@ def dbscan_instances(coord: np.ndarray, semantic: np.ndarray, eps: float, min_sa
     return instance
 
 
+class MatchTimer:
+    """Wraps pimm.tasks.panoptic_loss.hungarian_match (which the detector loss calls through its module) and
+    adds up the seconds spent in it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._match = panoptic_loss.hungarian_match
+
+    def __enter__(self) -> MatchTimer:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return self._match(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        panoptic_loss.hungarian_match = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        panoptic_loss.hungarian_match = self._match
+
+
+@dataclass
+class Trainee:
+    """One model in training: its config, task, optimizer, and the wall-clock and CPU seconds of each step."""
+
+    name: str
+    cfg: dict
+    model: torch.nn.Module
+    task: Task
+    optimizer: torch.optim.Optimizer
+    step_seconds: list[float] = field(default_factory=list)
+    step_cpu_seconds: list[float] = field(default_factory=list)
+    match_seconds: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def spent(self) -> float:
+        """CPU seconds (all threads) of this process in this model's steps: what the budget counts, the same
+        amount of work however busy the shared machine is."""
+        return sum(self.step_cpu_seconds)
+
+    def step(self, batch: dict, timer: MatchTimer) -> None:
+        """One optimizer step on `batch`, timed (forward, loss, backward, clipping, update)."""
+        self.model.train()
+        matched_before = timer.seconds
+        start, cpu_start = time.perf_counter(), time.process_time()
+        output = self.task.forward_loss(self.model, batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        output.loss.backward()
+        if self.cfg.get("clip_grad"):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["clip_grad"])
+        self.optimizer.step()
+        self.step_seconds.append(time.perf_counter() - start)
+        self.step_cpu_seconds.append(time.process_time() - cpu_start)
+        self.match_seconds.append(timer.seconds - matched_before)
+        self.losses.append(float(output.loss.detach()))
+
+
+def build_trainee(name: str, config: str) -> Trainee:
+    cfg = load_config(resolve_config_path(config, config_roots()))
+    torch.manual_seed(int(cfg["seed"]))
+    model = build_model(cfg["model"])
+    return Trainee(name, cfg, model, build_task(cfg), build_optimizer(cfg["optimizer"], model.parameters()))
+
+
+def check_same_setup(detector: Trainee, semantic: Trainee) -> None:
+    """The comparison needs one backbone, one set of classes and a Panoptic detector task."""
+    if not isinstance(detector.task, Panoptic):
+        raise SystemExit(f"--detector-config has task type {type(detector.task).__name__}; it must be Panoptic")
+    if detector.cfg["model"]["backbone"] != semantic.cfg["model"]["backbone"]:
+        raise SystemExit("the detector's and the semantic model's backbones differ:\n"
+                         f"  {detector.cfg['model']['backbone']}\n  {semantic.cfg['model']['backbone']}\n"
+                         "give both configs the same model.backbone")
+    for key in ("num_classes", "names"):
+        if detector.cfg["data"].get(key) != semantic.cfg["data"].get(key):
+            raise SystemExit(f"data.{key} differs: {detector.cfg['data'].get(key)} (detector) and "
+                             f"{semantic.cfg['data'].get(key)} (semantic); give both configs the same classes")
+    if detector.cfg["data"]["train"].get("label") != semantic.cfg["data"]["train"].get("label"):
+        raise SystemExit("data.train.label differs between the configs; both models must learn the same classes")
+
+
+def read_events(cfg: dict, path: Path, split: str) -> PILArNetDataset:
+    """The config's training dataset options (label, energy threshold, ...) on the generated `split`."""
+    options = {k: v for k, v in cfg["data"]["train"].items() if k not in ("type", "path", "split")}
+    return PILArNetDataset(path, split=split, **{**options, "instances": True})
+
+
+def training_batches(events: PILArNetDataset, batch_size: int, seed: int) -> Iterator[dict]:
+    """Collated batches of `batch_size` events, a fresh shuffle every pass over the events."""
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(events))
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            yield collate_events([events[int(i)] for i in order[start:start + batch_size]])
+
+
+def train(detector: Trainee, semantic: Trainee, events: PILArNetDataset, seconds: float, seed: int) -> None:
+    """One step of each model on every batch, in ABBA order (a drift in the machine's speed favours neither),
+    until each has spent `seconds` of CPU in its steps."""
+    batches = training_batches(events, int(detector.cfg["batch_size"]), seed)
+    with MatchTimer() as timer:
+        pairs = 0
+        while min(detector.spent, semantic.spent) < seconds:
+            batch = next(batches)
+            for trainee in (detector, semantic) if pairs % 2 == 0 else (semantic, detector):
+                if trainee.spent < seconds:
+                    trainee.step(batch, timer)
+            pairs += 1
+
+
+def step_timing(detector: Trainee, semantic: Trainee) -> dict[str, float]:
+    """Mean step times of the batches both models trained on (warm-up left out), their ratios and the share of
+    the detector's step spent in Hungarian matching."""
+    pairs = min(len(detector.step_seconds), len(semantic.step_seconds))
+    kept = slice(WARMUP_PAIRS if pairs > WARMUP_PAIRS else 0, pairs)
+    det, sem = detector.step_seconds[kept], semantic.step_seconds[kept]
+    det_cpu, sem_cpu = detector.step_cpu_seconds[kept], semantic.step_cpu_seconds[kept]
+    return {"pairs": len(det), "detector_step_s": statistics.fmean(det), "semantic_step_s": statistics.fmean(sem),
+            "ratio": statistics.fmean(det) / statistics.fmean(sem),
+            "ratio_of_medians": statistics.median(det) / statistics.median(sem),
+            "ratio_cpu": sum(det_cpu) / sum(sem_cpu),
+            "matching_share": sum(detector.match_seconds[kept]) / sum(det)}
+
+
+@dataclass
+class HeldOutEvent:
+    """One event with the task's truth and the semantic model's predicted class per point."""
+
+    event_id: int
+    batch: dict  # the event collated alone
+    coord: np.ndarray
+    true_instance: np.ndarray
+    true_class: np.ndarray
+    predicted_class: np.ndarray
+
+
+@torch.no_grad()
+def semantic_predictions(task: Panoptic, semantic: Trainee, events: PILArNetDataset,
+                         count: int) -> Iterator[HeldOutEvent]:
+    """The first `count` events, each with its truth (particles as instances, stuff left out, as the detector's
+    task sees them) and the semantic model's predicted classes."""
+    semantic.model.eval()
+    for index in range(min(count, len(events))):
+        batch = collate_events([events[index]])
+        point_class, instance = task.truth(batch)
+        logits = semantic.model(batch["coord"], batch["feat"], batch["offset"], event_id=batch["event_id"])
+        yield HeldOutEvent(int(batch["event_id"][0]), batch, batch["coord"].numpy(), instance.numpy(),
+                           point_class.numpy(), logits.argmax(1).numpy())
+
+
+def new_meter(task: Panoptic) -> PanopticAccumulator:
+    return PanopticAccumulator(task.num_classes, task.stuff_classes, task.iou_threshold, task.class_names)
+
+
+def score_dbscan(meter: PanopticAccumulator, event: HeldOutEvent, point_class: np.ndarray,
+                 stuff_classes: tuple[int, ...], eps: float, min_samples: int) -> None:
+    found = dbscan_instances(event.coord, point_class, stuff_classes, eps, min_samples)
+    meter.update(event.event_id, event.true_instance, found, event.true_class, point_class)
+
+
+def choose_radii(task: Panoptic, semantic: Trainee, events: PILArNetDataset, count: int, radii: list[float],
+                 min_samples: int) -> dict[str, dict[str, float]]:
+    """ARI (all labelled) of DBSCAN at every radius on the first `count` training events, on the true and on
+    the predicted classes -> {"true"|"predicted": {str(eps): ari}}."""
+    meters = {side: {eps: new_meter(task) for eps in radii} for side in ("true", "predicted")}
+    for event in semantic_predictions(task, semantic, events, count):
+        for side, point_class in (("true", event.true_class), ("predicted", event.predicted_class)):
+            for eps, meter in meters[side].items():
+                score_dbscan(meter, event, point_class, task.stuff_classes, eps, min_samples)
+    return {side: {str(eps): meter.result()["ari_all_labelled"] for eps, meter in by_eps.items()}
+            for side, by_eps in meters.items()}
+
+
+def best_radius(ari_by_eps: dict[str, float]) -> float:
+    return float(max(ari_by_eps, key=lambda eps: np.nan_to_num(ari_by_eps[eps], nan=-1.0)))
+
+
+@torch.no_grad()
+def evaluate(detector: Trainee, semantic: Trainee, events: PILArNetDataset, eps: dict[str, float],
+             min_samples: int) -> tuple[dict[str, dict[str, float]], float]:
+    """The table's rows on the held-out events, and the detector's mean predicted instances per event."""
+    task = detector.task
+    detector.model.eval()
+    rows = {"detector": new_meter(task), "predicted": new_meter(task), "true": new_meter(task)}
+    instances = 0
+    for event in semantic_predictions(task, semantic, events, len(events)):
+        batch = event.batch
+        output = detector.model(batch["coord"], batch["feat"], batch["offset"], event_id=batch["event_id"])
+        (event_id, found), = event_arrays(task, batch, output)  # as pimm test scores the detector
+        rows["detector"].update(event_id, **found)
+        instances += int(found["pred_instance"].max()) + 1
+        score_dbscan(rows["predicted"], event, event.predicted_class, task.stuff_classes, eps["predicted"],
+                     min_samples)
+        score_dbscan(rows["true"], event, event.true_class, task.stuff_classes, eps["true"], min_samples)
+    return {name: meter.result() for name, meter in rows.items()}, instances / len(events)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--events", type=int, default=200, help="generated events (default 200)")
+    p.add_argument("--seconds", type=float, default=240.0,
+                   help="training budget per model: CPU seconds (all threads) of its own steps (default 240)")
+    p.add_argument("--events", type=int, default=200, help="generated training events (default 200)")
+    p.add_argument("--test-events", type=int, default=50, help="generated held-out events (default 50)")
+    p.add_argument("--select-events", type=int, default=50,
+                   help="training events on which each DBSCAN row picks its radius (default 50)")
     p.add_argument("--points-per-event", type=int, default=4000, help="about this many voxels per event (default 4000)")
-    p.add_argument("--eps", default="1.9,4,8", help="DBSCAN radii in voxels, one row each (default 1.9,4,8)")
+    p.add_argument("--eps", default="1.9,4,8,12", help="DBSCAN radii in voxels to choose from (default 1.9,4,8,12)")
     p.add_argument("--min-samples", type=int, default=1, help="DBSCAN min_samples (default 1)")
-    p.add_argument("--seed", type=int, default=7, help="generator seed (default 7)")
+    p.add_argument("--detector-config", default="bench/panoptic_detector", help="(default bench/panoptic_detector)")
+    p.add_argument("--semantic-config", default="bench/panoptic_semseg", help="(default bench/panoptic_semseg)")
+    p.add_argument("--seed", type=int, default=7, help="generator seed of the training events; held-out: seed + 1")
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("seconds", "events", "test_events", "select_events", "points_per_event", "min_samples"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    return args
+
+
+def fmt(value: float) -> str:
+    return f"{value:.3f}" if np.isfinite(value) else "n/a"
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    radii = [float(e) for e in args.eps.split(",")]
+    detector = build_trainee("detector", args.detector_config)
+    semantic = build_trainee("semantic", args.semantic_config)
+    check_same_setup(detector, semantic)
     with tempfile.TemporaryDirectory(prefix="pimm-bench-panoptic-") as tmp:
         write_pilarnet(tmp, args.events, seed=args.seed, revision="v2", split="train",
                        points_per_event=args.points_per_event)
-        events = PILArNetDataset(tmp, revision="v2", energy_threshold=0.13, instances=True)
-        radii = [float(e) for e in args.eps.split(",")]
-        meters = {eps: PanopticAccumulator(num_classes=len(MOTIF_NAMES), stuff_classes=(STUFF,),
-                                           class_names=MOTIF_NAMES) for eps in radii}
+        write_pilarnet(tmp, args.test_events, seed=args.seed + 1, revision="v2", split="test",
+                       points_per_event=args.points_per_event)
+        train_events = read_events(detector.cfg, Path(tmp), "train")
+        test_events = read_events(detector.cfg, Path(tmp), "test")
+        if len(train_events) < int(detector.cfg["batch_size"]):
+            raise SystemExit(f"{len(train_events)} training events are fewer than one batch "
+                             f"({detector.cfg['batch_size']}); raise --events")
         start = time.perf_counter()
-        points = 0
-        for index in range(len(events)):
-            item = events[index]
-            coord, semantic = item["coord"].numpy(), item["segment"].numpy()
-            truth = item["particle"].numpy()
-            for eps, meter in meters.items():
-                meter.update(index, truth, dbscan_instances(coord, semantic, eps, args.min_samples), semantic, semantic)
-            points += len(coord)
-        seconds = time.perf_counter() - start
-    results = {eps: meter.result() for eps, meter in meters.items()}
-    print(f"{len(events)} generated events, {points / len(events):.0f} voxels each on average; DBSCAN min_samples "
-          f"{args.min_samples}: {1000 * seconds / len(events) / len(radii):.1f} ms per event and radius\n")
-    print("| method | " + " | ".join(COLUMNS) + " |")
+        train(detector, semantic, train_events, args.seconds, args.seed)
+        train_wall = time.perf_counter() - start
+        sweep = choose_radii(detector.task, semantic, train_events, args.select_events, radii, args.min_samples)
+        eps = {side: best_radius(ari) for side, ari in sweep.items()}
+        rows, instances_per_event = evaluate(detector, semantic, test_events, eps, args.min_samples)
+        points = np.mean([len(test_events[i]["coord"]) for i in range(len(test_events))])
+
+    timing = step_timing(detector, semantic)
+    training = {t.name: {"steps": len(t.step_seconds), "events": len(t.step_seconds) * int(t.cfg["batch_size"]),
+                         "cpu_seconds": t.spent, "wall_seconds": sum(t.step_seconds), "first_loss": t.losses[0],
+                         "last_loss": statistics.fmean(t.losses[-5:]),
+                         "lr": t.cfg["optimizer"]["lr"]} for t in (detector, semantic)}
+    labels = {"detector": "detector (detector-v1m1)",
+              "predicted": f"DBSCAN eps {eps['predicted']:g}, predicted semantics",
+              "true": f"DBSCAN eps {eps['true']:g}, true semantics"}
+
+    print(f"{len(train_events)} training and {len(test_events)} held-out generated events, {points:.0f} voxels each "
+          f"on average; {args.seconds:g} CPU seconds of training steps per model ({train_wall:.0f} s wall)")
+    for t in (detector, semantic):
+        row = training[t.name]
+        print(f"{t.name}: {row['steps']} steps of {t.cfg['batch_size']} events, lr {row['lr']:g}, loss "
+              f"{row['first_loss']:.3f} -> {row['last_loss']:.3f}")
+    print(f"DBSCAN radius by ARI (all labelled) on {min(args.select_events, len(train_events))} training events: "
+          + "; ".join(f"{side} semantics {eps[side]:g} ({sweep[side][str(eps[side])]:.3f})" for side in eps))
+    print(f"detector: {instances_per_event:.1f} instances per held-out event\n")
+    print("| method | " + " | ".join(HEADERS) + " |")
     print("|---|" + "---:|" * len(COLUMNS))
-    for eps, result in results.items():
-        print(f"| DBSCAN eps {eps:g}, true semantics | " + " | ".join(f"{result[c]:.3f}" for c in COLUMNS) + " |")
+    for name, result in rows.items():
+        print(f"| {labels[name]} | " + " | ".join(fmt(result[c]) for c in COLUMNS) + " |")
+    print(f"\ntraining step, mean of {timing['pairs']} alternating steps on the same batches: detector "
+          f"{1000 * timing['detector_step_s']:.0f} ms, semantic {1000 * timing['semantic_step_s']:.0f} ms, ratio "
+          f"{timing['ratio']:.2f}x (goal <= 1.3x; of medians {timing['ratio_of_medians']:.2f}x, of CPU time "
+          f"{timing['ratio_cpu']:.2f}x); Hungarian matching "
+          f"{100 * timing['matching_share']:.1f}% of the detector's step")
     if args.out:
-        args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)},
-                                        "dbscan_true": {str(e): r for e, r in results.items()}}, default=float) + "\n")
+        args.out.write_text(json.dumps({
+            "settings": vars(args) | {"out": str(args.out)}, "voxels_per_event": points, "training": training,
+            "dbscan_radius_selection": sweep, "eps": eps, "rows": {labels[k]: v for k, v in rows.items()},
+            "detector_instances_per_event": instances_per_event, "timing": timing}, default=float) + "\n")
 
 
 if __name__ == "__main__":

@@ -84,6 +84,36 @@ def test_evaluate_benchmark_prints_its_table(tmp_path):
     assert [row.split()[0] for row in rows] == ["1", "2"] and all(row.split()[1] == "16" for row in rows)
 
 
+def test_label_efficiency_benchmark_pretrains_exports_and_fine_tunes_every_row(tmp_path):
+    """benchmarks/label_efficiency.py at toy size (a few pretraining steps, 4 fine-tuning steps, 10 held-out events):
+    the table's three rows, the JSON's runs, the lin and fft runs loading the exported encoder (the lin run's frozen
+    encoder ends as exported), the plot (no score asserted)."""
+    import torch
+
+    out, work = tmp_path / "le.json", tmp_path / "work"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "label_efficiency.py"), "--pretrain-seconds", "1",
+                          "--labelled", "10,20", "--finetune-steps", "4", "--val-events", "10", "--points-per-event",
+                          "200", "--work", str(work), "--out", str(out)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    table = [line for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert table[0] == "| fine-tuning | val mIoU, 10 labelled | val mIoU, 20 labelled |"
+    assert [line.split("|")[1].strip() for line in table[1:]] == ["scratch", "lin", "fft"]
+    result = json.loads(out.read_text())
+    assert 4 <= result["pretraining"]["steps"] <= result["pretraining"]["events_generated"] // 8
+    runs = {(r["mode"], r["labelled"]): r for r in result["runs"]}
+    assert set(runs) == {(m, n) for m in ("scratch", "lin", "fft") for n in (10, 20)}
+    assert all(0.0 <= r["miou"] <= 1.0 and r["steps"] == 4 for r in runs.values())
+    assert runs["scratch", 10]["pretrained_loaded"] == 0 and runs["lin", 10]["pretrained_loaded"] > 0
+    assert runs["lin", 20]["pretrained_loaded"] == runs["fft", 20]["pretrained_loaded"]
+    exported = torch.load(work / "pretrained" / "model.pth", weights_only=True)["state_dict"]
+    lin = torch.load(work / "runs" / "lin_20_seed0" / "model" / "last" / "weights.pth", weights_only=True)
+    encoder = [k for k in lin if k.startswith("backbone.")]
+    assert encoder and all(torch.equal(lin[k], exported[f"module.student.{k}"]) for k in encoder)
+    assert (tmp_path / "le.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_published_parity_benchmark_prints_its_table(tmp_path):
     """benchmarks/published_parity.py --quick: a 2-stage PT-v3m2 on one generated event (no size asserted)."""
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "published_parity.py"), "--quick"], cwd=tmp_path,
@@ -95,14 +125,28 @@ def test_published_parity_benchmark_prints_its_table(tmp_path):
         "published vs published (other seed)", "pimm vs published", "published: alone vs batched (seed 0)"]
 
 
-def test_panoptic_benchmark_prints_the_dbscan_baseline(tmp_path):
-    """benchmarks/panoptic.py on a few generated events: one row per radius (no score asserted)."""
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "panoptic.py"), "--events", "4",
-                          "--points-per-event", "500", "--eps", "2,6", "--out", str(tmp_path / "p.json")],
+def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
+    """benchmarks/panoptic.py on a few small generated events, 3 s of training per model: the detector's row and
+    both DBSCAN rows, the step-time ratio and the matching share (no score asserted)."""
+    out = tmp_path / "p.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "panoptic.py"), "--seconds", "3", "--events", "8",
+                          "--test-events", "3", "--select-events", "3", "--points-per-event", "300", "--eps", "2,6",
+                          "--out", str(out)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stdout + res.stderr
-    rows = [line for line in res.stdout.splitlines() if line.startswith("| DBSCAN")]
-    assert [r.split("|")[1].strip() for r in rows] == ["DBSCAN eps 2, true semantics", "DBSCAN eps 6, true semantics"]
-    result = json.loads((tmp_path / "p.json").read_text())["dbscan_true"]
-    assert set(result) == {"2.0", "6.0"} and 0.0 <= result["6.0"]["purity"] <= 1.0
+    table = [line for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [line.split("|")[1].strip() for line in table]
+    assert rows[0] == "method" and rows[1] == "detector (detector-v1m1)"
+    assert rows[2].startswith("DBSCAN eps ") and rows[2].endswith(", predicted semantics")
+    assert rows[3].startswith("DBSCAN eps ") and rows[3].endswith(", true semantics")
+    result = json.loads(out.read_text())
+    assert set(result["eps"].values()) <= {2.0, 6.0}
+    assert set(result["dbscan_radius_selection"]["true"]) == {"2.0", "6.0"}
+    assert list(result["rows"]) == rows[1:]
+    assert all(0.0 <= row["purity"] <= 1.0 or math.isnan(row["purity"]) for row in result["rows"].values())
+    timing, training = result["timing"], result["training"]
+    assert timing["pairs"] >= 1 and timing["detector_step_s"] > 0 and timing["semantic_step_s"] > 0
+    assert 0.0 < timing["matching_share"] < 1.0
+    assert f"ratio {timing['ratio']:.2f}x (goal <= 1.3x" in res.stdout
+    assert all(training[name]["cpu_seconds"] >= 3 and training[name]["steps"] >= 1 for name in ("detector", "semantic"))

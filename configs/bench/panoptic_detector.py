@@ -1,0 +1,48 @@
+# The particle detector of benchmarks/panoptic.py: the published detector-v1m1 (configs/panda/panseg/
+# detector-v1m1-pt-v3m2-ft-pid-dec.py) at a size that trains on two CPU cores in minutes, on a 3-level PT-v3m2
+# encoder (enc_mode, its levels up-cast and concatenated: 16 + 32 + 64 = 112 channels per point). Particles are
+# the instances, their pid the class, "none" the stuff. configs/bench/panoptic_semseg.py is the semantic model
+# on the same encoder; the benchmark checks that the two backbones are equal.
+_base_ = ["../_base_/default_runtime.py"]
+
+seed = 7
+batch_size = 4
+clip_grad = 1.0
+
+model = dict(
+    type="detector-v1m1",
+    num_classes=6,  # photon, electron, muon, pion, proton, none (pid-dec.py:28)
+    use_stuff_head=True,
+    stuff_classes=[5],
+    num_queries=32,  # pid-dec.py:32; generated events hold up to ~30 particles
+    full_in_channels=112,
+    mlp_point_proj=True,
+    hidden_channels=64,
+    num_heads=4,
+    depth=2,
+    qkv_bias=True,
+    backbone=dict(
+        type="PT-v3m2",
+        in_channels=4,
+        order=("z", "z-trans", "hilbert", "hilbert-trans"),
+        stride=(2, 2),
+        enc_depths=(1, 1, 1),
+        enc_channels=(16, 32, 64),
+        enc_num_head=(2, 4, 8),
+        enc_patch_size=(64, 64, 64),
+        mlp_ratio=2,
+        enc_mode=True,
+        shuffle_orders=True,
+    ),
+)
+task = dict(_delete_=True, type="Panoptic", label="particle")
+optimizer = dict(type="AdamW", lr=2e-3, weight_decay=0.01)
+
+_pilarnet = dict(type="PILArNetDataset", path="data/bench/panoptic", revision="v2", label="pid", instances=True,
+                 energy_threshold=0.13)
+data = dict(
+    num_classes=6,
+    names=["photon", "electron", "muon", "pion", "proton", "none"],
+    train=dict(_pilarnet, split="train"),
+    val=dict(_pilarnet, split="val"),
+)
