@@ -87,3 +87,14 @@ def test_resuming_a_completed_run_changes_nothing(tmp_path, tiny_data, tested_ru
     more = run_pimm(["launch", "--train.resume", str(run_dir), "--dry-run", "--", "max_steps=5"], cwd=REPO)
     assert more.returncode == 0 and "already completed" not in more.stdout, more.stdout + more.stderr
     assert "config changes: max_steps: 4 -> 5" in more.stdout
+
+
+def test_a_one_cycle_schedule_torch_cannot_step_is_refused_before_any_process(tmp_path, tiny_data):
+    """48 train events in batches of 6 for 5 epochs: 40 steps; pct_start 0.025 makes the warm-up one step,
+    a phase of no length that torch divides by at the first step."""
+    res = pimm_in_process(["launch", "--train.config", TINY, "--paths.exp-root", str(tmp_path / "exp"), "--",
+                           f"data.train.path={tiny_data['train']}", f"data.val.path={tiny_data['val']}",
+                           "batch_size=6", "epochs=5", "scheduler={type: OneCycleLR, max_lr: 0.003, pct_start: 0.025}"])
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "pct_start=0.025 over 40 steps gives a phase of no length" in res.stderr
+    assert not (tmp_path / "exp").exists()

@@ -409,6 +409,21 @@ def loss_from_criteria(criteria: Any) -> list[dict]:
     return terms
 
 
+def check_schedule_length(scheduler: dict | None, total_steps: int) -> None:
+    """ConfigError for a OneCycleLR that torch cannot step over `total_steps` (the run's epochs x steps per
+    epoch): a warm-up of pct_start x total_steps = 1 step, or pct_start = 1, leaves a phase of no length,
+    and torch divides by it at the first step."""
+    if not isinstance(scheduler, dict) or scheduler.get("type") != "OneCycleLR":
+        return
+    total = scheduler.get("total_steps") or total_steps
+    pct = scheduler.get("pct_start", 0.3)
+    warmup_end = float(pct * total) - 1
+    if warmup_end == 0 or warmup_end == total - 1:
+        raise ConfigError(f"scheduler OneCycleLR with pct_start={pct} over {total} steps gives a phase of no length "
+                          f"(warm-up {pct * total:g} step(s) of {total}); torch cannot step it. Change "
+                          "scheduler.pct_start, or train for another number of steps (epochs, batch_size)")
+
+
 def model_classes(cfg: dict) -> tuple[int, list[str]]:
     """(number, names) of the classes a config's model predicts: the data's, except for a Panoptic task on
     interactions, whose classes are ("stuff", "interaction")."""

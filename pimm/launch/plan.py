@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pimm.config import read_run_config
+from pimm.config.validate import check_schedule_length
 from pimm.data.event_file import validate_data
 from pimm.distributed.batch import BatchPlan, plan_batches
 from pimm.errors import LaunchError
@@ -270,6 +271,8 @@ def check_data(cfg: dict, global_batch: int, checked: dict[str, dict] | None = N
                     f"data.train has {events} events, fewer than one global batch (batch_size={global_batch}); "
                     "use more events or a smaller batch_size"
                 )
+            # the schedule spans every epoch (max_steps only stops early): its length is known now
+            check_schedule_length(cfg.get("scheduler"), events // global_batch * int(cfg["epochs"]))
     return identities
 
 
