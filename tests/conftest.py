@@ -91,8 +91,28 @@ if LoadFileScheduling is not None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` (make test: `-n 2 --dist loadfile`), with the Slurm tests as one more file (_scope)."""
-    return _FileOrSlurmScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
+    """`--dist loadfile` (make test: `-n 2 --dist loadfile`), with the Slurm tests as one more file (_scope),
+    handed out in collection order (pytest_collection_modifyitems puts the longest first)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    config.option.loadscopereorder = False  # xdist's own order (most tests first) would leave a long file last
+    return _FileOrSlurmScheduling(config, log)
+
+
+# the scopes that take longest (pytest --durations, processes started per test), handed out first: a worker that
+# takes a long file last would otherwise run alone at the end. The others follow in their collection order.
+LONGEST_FIRST = ("slurm", "tests/test_pretraining.py", "tests/test_panoptic_task.py", "tests/test_accumulation.py",
+                 "tests/test_ptv3m2.py", "tests/test_resume.py", "tests/test_fsdp2.py", "tests/test_house.py",
+                 "tests/test_finetune_weights.py", "tests/test_benchmarks_smoke.py", "tests/test_evaluate.py",
+                 "tests/test_training.py", "tests/test_validate_scaling.py", "tests/test_hostile.py",
+                 "tests/test_harden.py", "tests/test_robust_run.py", "tests/test_published_recipes.py",
+                 "tests/test_predict.py", "tests/test_checkpoint_safety.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getvalue("dist") == "loadfile":
+        rank = {scope: i for i, scope in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(_scope(item.nodeid), len(rank)))  # stable: files keep their order
 
 
 @pytest.fixture
