@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pimm.data.collate import split_events
 from pimm.data.multi_view import MultiViewSettings, multi_view
 from pimm.distributed.env import all_reduce_sum
 from pimm.tasks.base import Meter, Task, TaskOutput
@@ -311,7 +312,7 @@ class SelfDistillation(Task):
         if "student_coord" not in batch:  # evaluation: no step prepared it; each event on its own
             device = batch["feat"].device
             parts = [self.prepare_step(module, [one], device, global_targets=False)[0]
-                     for one in _single_events(batch)]
+                     for one in split_events(batch, len(batch["offset"]))]
             outputs = [self._student_loss(module, part) for part in parts]
             event_losses = torch.cat([o.event_losses for o in outputs])
             probes = [o.prediction for o in outputs if o.prediction is not None]
@@ -387,19 +388,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _unwrapped(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
-
-
-def _single_events(batch: dict) -> list[dict]:
-    """A collated batch -> one collated batch per event."""
-    ends = batch["offset"].tolist()
-    out = []
-    for b, (lo, hi) in enumerate(zip([0, *ends[:-1]], ends)):
-        one = {"feat": batch["feat"][lo:hi], "coord": batch["coord"][lo:hi],
-               "offset": batch["offset"].new_tensor([hi - lo]), "event_id": batch["event_id"][b:b + 1]}
-        if "segment" in batch:
-            one["segment"] = batch["segment"][lo:hi]
-        out.append(one)
-    return out
 
 
 class LossMeter(Meter):
