@@ -2,14 +2,16 @@
 events, both models trained here within a CPU budget and scored with pimm's panoptic metrics.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/panoptic.py [--seconds 240] [--events 200] [--test-events 50]
-        [--points-per-event 4000] [--eps 1.9,4,8,12] [--out FILE]
+        [--points-per-event 4000] [--eps 1.9,4,8,12] [--timing-pairs N] [--out FILE]
 
 Events: `pimm data synth --layout pilarnet --revision v2` (1 to 3 interactions and the rain per image),
 training and held-out events from two seeds, read as the configs' data say (PILArNetDataset(instances=True),
 pid classes, "none" as stuff). Two models on the same PT-v3m2 encoder (configs/bench/panoptic_detector.py and
 panoptic_semseg.py) train in one process through pimm's own pieces (build_model, build_task,
 task.forward_loss, the config's AdamW, collate_events) until each has spent --seconds of CPU time (all
-threads) in its own steps. Their steps alternate on the same batches, in ABBA order, so the step-time ratio
+threads) in its own steps. The configs' OneCycleLR (the published recipes' shape) runs over that budget: at
+each step the learning rate is the schedule's at the fraction of the budget spent, since the number of steps a
+budget buys is not known in advance. Their steps alternate on the same batches, in ABBA order, so the step-time ratio
 sees the same events and the same machine.
 
 Rows of the table, every one scored by PanopticAccumulator on the held-out events with the task's truth
@@ -20,14 +22,20 @@ Rows of the table, every one scored by PanopticAccumulator on the held-out event
 - DBSCAN on the true classes.
 Each DBSCAN row uses the radius of --eps that gives it the best ARI (all labelled) on --select-events training
 events, never the held-out ones. Also printed: the mean training step of the detector against the semantic
-model's (same backbone, same batches) and the share of the detector's step spent in Hungarian matching
-(pimm.tasks.panoptic_loss.hungarian_match, timed by wrapping it).
+model's (same backbone, same batches) and the share of the detector's step spent in the Hungarian assignment
+(pimm.tasks.panoptic_loss.assign_queries, scipy's linear_sum_assignment, timed by wrapping it).
+
+With --timing-pairs N only the step times are measured (N pairs after the warm-up, nothing trained to the budget,
+nothing scored): for model sizes too slow to train here, e.g. the published particle detector and a semantic
+model on its encoder (--detector-config bench/panoptic_detector_published --semantic-config
+bench/panoptic_semseg_published).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -73,12 +81,12 @@ def dbscan_instances(coord: np.ndarray, point_class: np.ndarray, stuff_classes: 
 
 
 class MatchTimer:
-    """Wraps pimm.tasks.panoptic_loss.hungarian_match (which the detector loss calls through its module) and
-    adds up the seconds spent in it."""
+    """Wraps pimm.tasks.panoptic_loss.assign_queries, the Hungarian assignment (which the detector loss calls
+    through its module), and adds up the seconds spent in it."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._match = panoptic_loss.hungarian_match
+        self._match = panoptic_loss.assign_queries
 
     def __enter__(self) -> MatchTimer:
         def timed(*args, **kwargs):
@@ -88,11 +96,21 @@ class MatchTimer:
             finally:
                 self.seconds += time.perf_counter() - start
 
-        panoptic_loss.hungarian_match = timed
+        panoptic_loss.assign_queries = timed
         return self
 
     def __exit__(self, *exc) -> None:
-        panoptic_loss.hungarian_match = self._match
+        panoptic_loss.assign_queries = self._match
+
+
+def one_cycle_factor(fraction: float, pct_start: float, div_factor: float, final_div_factor: float) -> float:
+    """torch's OneCycleLR (cosine, two phases) at `fraction` of the run, as a multiple of max_lr."""
+    initial = 1.0 / div_factor
+    if fraction < pct_start:
+        start, end, progress = initial, 1.0, fraction / pct_start
+    else:
+        start, end, progress = 1.0, initial / final_div_factor, (fraction - pct_start) / (1.0 - pct_start)
+    return end + (start - end) / 2 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
 @dataclass
@@ -114,6 +132,18 @@ class Trainee:
         """CPU seconds (all threads) of this process in this model's steps: what the budget counts, the same
         amount of work however busy the shared machine is."""
         return sum(self.step_cpu_seconds)
+
+    def set_lr(self, fraction: float) -> None:
+        """The config's scheduler at `fraction` of the CPU budget spent: a OneCycleLR whose run is the budget
+        (the number of steps a budget buys is not known in advance), or None for a constant rate."""
+        scheduler = self.cfg.get("scheduler")
+        if scheduler is None:
+            return
+        options = {k: v for k, v in scheduler.items() if k != "type"}
+        factor = one_cycle_factor(fraction, options.get("pct_start", 0.3), options.get("div_factor", 25.0),
+                                  options.get("final_div_factor", 1e4))
+        for group in self.optimizer.param_groups:
+            group["lr"] = float(options.get("max_lr", self.cfg["optimizer"]["lr"])) * factor
 
     def step(self, batch: dict, timer: MatchTimer) -> None:
         """One optimizer step on `batch`, timed (forward, loss, backward, clipping, update)."""
@@ -143,10 +173,19 @@ def check_same_setup(detector: Trainee, semantic: Trainee) -> None:
     """The comparison needs one backbone, one set of classes and a Panoptic detector task."""
     if not isinstance(detector.task, Panoptic):
         raise SystemExit(f"--detector-config has task type {type(detector.task).__name__}; it must be Panoptic")
+    for trainee in (detector, semantic):
+        scheduler = trainee.cfg.get("scheduler")
+        if scheduler is not None and scheduler.get("type") != "OneCycleLR":
+            raise SystemExit(f"the {trainee.name} config's scheduler is {scheduler.get('type')!r}: the benchmark "
+                             "follows a OneCycleLR over its CPU budget, or none (scheduler = None)")
     if detector.cfg["model"]["backbone"] != semantic.cfg["model"]["backbone"]:
         raise SystemExit("the detector's and the semantic model's backbones differ:\n"
                          f"  {detector.cfg['model']['backbone']}\n  {semantic.cfg['model']['backbone']}\n"
                          "give both configs the same model.backbone")
+    for key in ("grid_size", "grid_origin"):
+        if detector.cfg["model"].get(key) != semantic.cfg["model"].get(key):
+            raise SystemExit(f"model.{key} differs: {detector.cfg['model'].get(key)} (detector) and "
+                             f"{semantic.cfg['model'].get(key)} (semantic); both models must see the same voxels")
     for key in ("num_classes", "names"):
         if detector.cfg["data"].get(key) != semantic.cfg["data"].get(key):
             raise SystemExit(f"data.{key} differs: {detector.cfg['data'].get(key)} (detector) and "
@@ -170,23 +209,25 @@ def training_batches(events: PILArNetDataset, batch_size: int, seed: int) -> Ite
             yield collate_events([events[int(i)] for i in order[start:start + batch_size]])
 
 
-def train(detector: Trainee, semantic: Trainee, events: PILArNetDataset, seconds: float, seed: int) -> None:
+def train(detector: Trainee, semantic: Trainee, events: PILArNetDataset, seconds: float, seed: int,
+          max_pairs: int | None = None) -> None:
     """One step of each model on every batch, in ABBA order (a drift in the machine's speed favours neither),
-    until each has spent `seconds` of CPU in its steps."""
+    until each has spent `seconds` of CPU in its steps (or after `max_pairs` batches)."""
     batches = training_batches(events, int(detector.cfg["batch_size"]), seed)
     with MatchTimer() as timer:
         pairs = 0
-        while min(detector.spent, semantic.spent) < seconds:
+        while min(detector.spent, semantic.spent) < seconds and (max_pairs is None or pairs < max_pairs):
             batch = next(batches)
             for trainee in (detector, semantic) if pairs % 2 == 0 else (semantic, detector):
                 if trainee.spent < seconds:
+                    trainee.set_lr(trainee.spent / seconds if math.isfinite(seconds) else 0.0)
                     trainee.step(batch, timer)
             pairs += 1
 
 
 def step_timing(detector: Trainee, semantic: Trainee) -> dict[str, float]:
     """Mean step times of the batches both models trained on (warm-up left out), their ratios and the share of
-    the detector's step spent in Hungarian matching."""
+    the detector's step spent in the Hungarian assignment."""
     pairs = min(len(detector.step_seconds), len(semantic.step_seconds))
     kept = slice(WARMUP_PAIRS if pairs > WARMUP_PAIRS else 0, pairs)
     det, sem = detector.step_seconds[kept], semantic.step_seconds[kept]
@@ -285,12 +326,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--detector-config", default="bench/panoptic_detector", help="(default bench/panoptic_detector)")
     p.add_argument("--semantic-config", default="bench/panoptic_semseg", help="(default bench/panoptic_semseg)")
     p.add_argument("--seed", type=int, default=7, help="generator seed of the training events; held-out: seed + 1")
+    p.add_argument("--timing-pairs", type=int,
+                   help="only time the steps: this many alternating pairs after the warm-up, no training to the "
+                        "budget and no scoring (for configs too large to train here, e.g. bench/"
+                        "panoptic_detector_published and bench/panoptic_semseg_published)")
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = p.parse_args(argv)
-    for name in ("seconds", "events", "test_events", "select_events", "points_per_event", "min_samples"):
-        if getattr(args, name) <= 0:
+    for name in ("seconds", "events", "test_events", "select_events", "points_per_event", "min_samples",
+                 "timing_pairs"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     return args
+
+
+def print_timing(timing: dict[str, float]) -> None:
+    print(f"\ntraining step, mean of {timing['pairs']} alternating steps on the same batches: detector "
+          f"{1000 * timing['detector_step_s']:.0f} ms, semantic {1000 * timing['semantic_step_s']:.0f} ms, ratio "
+          f"{timing['ratio']:.2f}x (goal <= 1.3x; of medians {timing['ratio_of_medians']:.2f}x, of CPU time "
+          f"{timing['ratio_cpu']:.2f}x); Hungarian assignment "
+          f"{100 * timing['matching_share']:.1f}% of the detector's step")
+
+
+def time_steps(detector: Trainee, semantic: Trainee, events: PILArNetDataset, args: argparse.Namespace) -> None:
+    """--timing-pairs: the step-time ratio alone."""
+    train(detector, semantic, events, float("inf"), args.seed, max_pairs=WARMUP_PAIRS + args.timing_pairs)
+    timing = step_timing(detector, semantic)
+    points = np.mean([len(events[i]["coord"]) for i in range(len(events))])
+    print(f"{args.detector_config} against {args.semantic_config}, batches of {detector.cfg['batch_size']} "
+          f"generated events of {points:.0f} voxels on average")
+    print_timing(timing)
+    if args.out:
+        args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "voxels_per_event": points,
+                                        "timing": timing}, default=float) + "\n")
 
 
 def fmt(value: float) -> str:
@@ -313,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
         if len(train_events) < int(detector.cfg["batch_size"]):
             raise SystemExit(f"{len(train_events)} training events are fewer than one batch "
                              f"({detector.cfg['batch_size']}); raise --events")
+        if args.timing_pairs:
+            return time_steps(detector, semantic, train_events, args)
         start = time.perf_counter()
         train(detector, semantic, train_events, args.seconds, args.seed)
         train_wall = time.perf_counter() - start
@@ -325,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     training = {t.name: {"steps": len(t.step_seconds), "events": len(t.step_seconds) * int(t.cfg["batch_size"]),
                          "cpu_seconds": t.spent, "wall_seconds": sum(t.step_seconds), "first_loss": t.losses[0],
                          "last_loss": statistics.fmean(t.losses[-5:]),
-                         "lr": t.cfg["optimizer"]["lr"]} for t in (detector, semantic)}
+                         "lr": t.cfg["optimizer"]["lr"], "scheduler": t.cfg.get("scheduler")}
+                for t in (detector, semantic)}
     labels = {"detector": "detector (detector-v1m1)",
               "predicted": f"DBSCAN eps {eps['predicted']:g}, predicted semantics",
               "true": f"DBSCAN eps {eps['true']:g}, true semantics"}
@@ -334,7 +404,8 @@ def main(argv: list[str] | None = None) -> None:
           f"on average; {args.seconds:g} CPU seconds of training steps per model ({train_wall:.0f} s wall)")
     for t in (detector, semantic):
         row = training[t.name]
-        print(f"{t.name}: {row['steps']} steps of {t.cfg['batch_size']} events, lr {row['lr']:g}, loss "
+        schedule = " (OneCycleLR over the budget)" if row["scheduler"] else ""
+        print(f"{t.name}: {row['steps']} steps of {t.cfg['batch_size']} events, lr {row['lr']:g}{schedule}, loss "
               f"{row['first_loss']:.3f} -> {row['last_loss']:.3f}")
     print(f"DBSCAN radius by ARI (all labelled) on {min(args.select_events, len(train_events))} training events: "
           + "; ".join(f"{side} semantics {eps[side]:g} ({sweep[side][str(eps[side])]:.3f})" for side in eps))
@@ -343,11 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|" + "---:|" * len(COLUMNS))
     for name, result in rows.items():
         print(f"| {labels[name]} | " + " | ".join(fmt(result[c]) for c in COLUMNS) + " |")
-    print(f"\ntraining step, mean of {timing['pairs']} alternating steps on the same batches: detector "
-          f"{1000 * timing['detector_step_s']:.0f} ms, semantic {1000 * timing['semantic_step_s']:.0f} ms, ratio "
-          f"{timing['ratio']:.2f}x (goal <= 1.3x; of medians {timing['ratio_of_medians']:.2f}x, of CPU time "
-          f"{timing['ratio_cpu']:.2f}x); Hungarian matching "
-          f"{100 * timing['matching_share']:.1f}% of the detector's step")
+    print_timing(timing)
     if args.out:
         args.out.write_text(json.dumps({
             "settings": vars(args) | {"out": str(args.out)}, "voxels_per_event": points, "training": training,

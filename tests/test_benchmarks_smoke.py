@@ -150,3 +150,16 @@ def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     assert 0.0 < timing["matching_share"] < 1.0
     assert f"ratio {timing['ratio']:.2f}x (goal <= 1.3x" in res.stdout
     assert all(training[name]["cpu_seconds"] >= 3 and training[name]["steps"] >= 1 for name in ("detector", "semantic"))
+
+
+def test_panoptic_benchmark_timing_pairs_only_times_the_steps(tmp_path):
+    """--timing-pairs: the warm-up and N alternating pairs, the ratio printed and written; no table, no scores."""
+    out = tmp_path / "t.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "panoptic.py"), "--timing-pairs", "1", "--events",
+                          "8", "--test-events", "1", "--points-per-event", "300", "--out", str(out)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "| method |" not in res.stdout and "(goal <= 1.3x" in res.stdout
+    result = json.loads(out.read_text())
+    assert set(result) == {"settings", "voxels_per_event", "timing"} and result["timing"]["pairs"] == 1

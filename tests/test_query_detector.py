@@ -5,8 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pimm.models.query_detector import EventPrediction, LayerPrediction, QueryDetector, instances_from_queries
-from pimm.tasks.panoptic_loss import DetectorLossWeights, detector_loss, event_targets, hungarian_match
+from pimm.models.query_detector import (
+    DecoderOutput,
+    EventPrediction,
+    LayerPrediction,
+    QueryDetector,
+    instances_from_queries,
+)
+from pimm.tasks.panoptic_loss import (
+    DetectorLossWeights,
+    detector_event_losses,
+    detector_loss,
+    event_targets,
+    hungarian_match,
+)
 
 NUM_CLASSES = 3
 EVENT_SIZES = (7, 12, 9)
@@ -39,8 +51,8 @@ def test_events_never_mix():
     together = model(feat, offset, coord)
     start = 0
     for b, size in enumerate(EVENT_SIZES):
-        alone = model(feat[start:start + size], torch.tensor([size]), coord[start:start + size])[0]
-        for layer_alone, layer_together in zip(alone.layers, together[b].layers):
+        alone = model(feat[start:start + size], torch.tensor([size]), coord[start:start + size]).event(0)
+        for layer_alone, layer_together in zip(alone.layers, together.event(b).layers):
             assert layer_together.mask_logits.shape == (6, size)
             torch.testing.assert_close(layer_alone.mask_logits, layer_together.mask_logits)
             torch.testing.assert_close(layer_alone.class_logits, layer_together.class_logits)
@@ -61,6 +73,23 @@ def test_permuted_queries_give_the_same_loss():
     torch.testing.assert_close(permuted_loss, loss)
 
 
+def test_batched_loss_equals_each_event_alone():
+    """The loss pads a batch's events to one length; each event's loss is the one it has alone, also where
+    its matching draws match_points of its points."""
+    model = small_detector(momentum_head=True, vertex_head=True)
+    feat, coord, offset, targets = batch()
+    weights = DetectorLossWeights(match_points=5)
+    assert sum(int((t.instance >= 0).sum()) > 5 for t in targets) >= 2  # the drawn path is taken
+    together, _ = detector_event_losses(model(feat, offset, coord), targets, weights,
+                                        [torch.Generator().manual_seed(b) for b in range(len(targets))])
+    start = 0
+    for b, size in enumerate(EVENT_SIZES):
+        alone = model(feat[start:start + size], torch.tensor([size]), coord[start:start + size])
+        loss, _ = detector_event_losses(alone, [targets[b]], weights, [torch.Generator().manual_seed(b)])
+        torch.testing.assert_close(loss[0], together[b])
+        start += size
+
+
 def test_obvious_matching_and_near_zero_mask_loss():
     instance = torch.tensor([0, 0, 0, 1, 1, -1])
     targets = event_targets(instance, torch.tensor([2, 2, 2, 0, 0, 1]))
@@ -77,7 +106,7 @@ def test_obvious_matching_and_near_zero_mask_loss():
     assert (query.tolist(), target.tolist()) == ([2, 0], [0, 1])
 
     prediction = EventPrediction(final=LayerPrediction(class_logits, mask_logits), aux=[])
-    _, terms = detector_loss([prediction], [targets])
+    _, terms = detector_loss(DecoderOutput.from_events([prediction]), [targets])
     assert terms["focal"] < 1e-6 and terms["dice"] < 1e-4 and terms["class"] < 1e-4
 
 
@@ -128,6 +157,14 @@ def test_post_processing_hand_made_event():
     assert result.score[0] > result.score[4] > 0.5 and result.score[6] == 0
     without_nms = instances_from_queries(class_logits, mask_logits, nms_sigma=0.0)
     assert without_nms.instance.tolist() == [0, 0, 0, 0, 2, 2, 1, 1]
+    # published fill_uncovered: query 3, dropped by NMS, still makes an instance of the points nobody took
+    filled = instances_from_queries(class_logits, mask_logits, fill_uncovered=True)
+    assert filled.instance.tolist() == [0, 0, 0, 0, 1, 1, 2, 2]
+    assert filled.query.tolist() == [0, 1, 3] and len(filled.instance_score) == 3
+    # points the stuff head calls stuff are in no mask: query 1 keeps 1 point, fewer than min_points
+    thing = torch.tensor([True, True, True, True, False, False, True, True])
+    limited = instances_from_queries(class_logits, mask_logits, thing=thing)
+    assert limited.instance.tolist() == [0, 0, 0, 0, -1, -1, -1, -1] and limited.query.tolist() == [0]
 
 
 def test_wrong_inputs_say_what_to_do():

@@ -37,6 +37,9 @@ model = dict(
 )
 task = dict(_delete_=True, type="Panoptic", label="particle")
 optimizer = dict(type="AdamW", lr=2e-3, weight_decay=0.01)
+# the published recipes' OneCycleLR shape (pid-dec.py:131-138); benchmarks/panoptic.py runs it over its CPU budget
+scheduler = dict(type="OneCycleLR", max_lr=2e-3, pct_start=0.025, anneal_strategy="cos", div_factor=10.0,
+                 final_div_factor=1000.0)
 
 _pilarnet = dict(type="PILArNetDataset", path="data/bench/panoptic", revision="v2", label="pid", instances=True,
                  energy_threshold=0.13)

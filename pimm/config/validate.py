@@ -673,7 +673,7 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
         "nms_pre": Rule("-1 (every candidate query goes to NMS)", lambda v: v == -1 and _is_int(v)),
         "nms_max": Rule("-1 (every instance NMS keeps is kept)", lambda v: v == -1 and _is_int(v)),
         "min_points": integer(1),
-        "fill_uncovered": Rule("false (points no instance takes stay unassigned)", lambda v: v is False),
+        "fill_uncovered": BOOL,
         "momentum_head": BOOL,
         "vertex_head": BOOL,
         "grid_size": number(0, strict=True),

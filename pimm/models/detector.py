@@ -16,7 +16,7 @@ Mask logits are computed per voxel and given to every point of that voxel; voxel
 config, published names: conf_threshold, mask_threshold, stuff_threshold, nms_sigma, min_points).
 
 What pimm does differently: an event whose every voxel is predicted stuff keeps its most thing-like voxel
-(published: an assertion error); attention-mask annealing, nms_pre / nms_max and fill_uncovered are
+(published: an assertion error); attention-mask annealing, nms_pre and nms_max are
 refused at any value but the published recipes' (off); dropout and drop_path in the decoder likewise (0).
 """
 
@@ -28,15 +28,17 @@ import torch
 from torch import nn
 
 from pimm.config.validate import check_model_arguments
-from pimm.data.collate import offset_to_batch_index
 from pimm.models.point_seg_net import cluster_mean
 from pimm.models.point_transformer_v3m2 import PointTransformerV3, grid_sample, point_features
 from pimm.models.query_detector import (
     PADDING_BIAS,
+    BatchLayerPrediction,
+    DecoderOutput,
     EventInstances,
     EventPrediction,
     QueryDetector,
     instances_from_queries,
+    padded_slots,
 )
 
 # the other published options with no effect here: enable_flash, upcast_attention, upcast_softmax (attention is
@@ -45,12 +47,18 @@ from pimm.models.query_detector import (
 
 @dataclass
 class DetectorOutput:
-    """One forward over a batch: per event the decoder's predictions (mask logits over the event's points),
-    the stuff logit per point (with use_stuff_head) and, in eval mode, each event's instances."""
+    """One forward over a batch: the decoder's batched predictions (mask logits over each event's points,
+    PADDING_BIAS for points the queries did not attend), the stuff logit per point (with use_stuff_head) and,
+    in eval mode, each event's instances."""
 
-    events: list[EventPrediction]
+    decoder: DecoderOutput
     stuff_logits: torch.Tensor | None  # (N,)
     instances: list[EventInstances] | None = None
+
+    @property
+    def events(self) -> list[EventPrediction]:
+        """One EventPrediction per event (views of the batched predictions)."""
+        return self.decoder.events
 
 
 class Detector(nn.Module):
@@ -91,7 +99,7 @@ class Detector(nn.Module):
         self.criteria = criteria  # the published losses: pimm's task computes them (task.loss)
         self.postprocess = dict(score_threshold=float(conf_threshold), mask_threshold=float(mask_threshold),
                                 min_points=int(min_points), nms_sigma=float(nms_sigma),
-                                stuff_classes=self.stuff_classes)
+                                stuff_classes=self.stuff_classes, fill_uncovered=bool(fill_uncovered))
         self.stuff_threshold = float(stuff_threshold)
         self.grid_size, self.grid_origin = float(grid_size), float(grid_origin)
 
@@ -111,11 +119,10 @@ class Detector(nn.Module):
             stuff_logits = self.decoder.stuff_head(voxel_feat).squeeze(-1)
             attend = self._thing_voxels(stuff_logits, level.batch, num_events, voxel_of_point, segment)
         voxel_counts = torch.bincount(level.batch[attend], minlength=num_events)
-        events = self.decoder(voxel_feat[attend], voxel_counts.cumsum(0), voxel_position[attend])
-        events = self._to_points(events, attend, level.batch, voxel_of_point,
-                                 offset_to_batch_index(offset, len(coord)), num_events)
+        decoded = self.decoder(voxel_feat[attend], voxel_counts.cumsum(0), voxel_position[attend])
+        decoded = self._to_points(decoded, attend, level.batch, voxel_counts, voxel_of_point, offset)
         point_stuff = stuff_logits.index_select(0, voxel_of_point) if stuff_logits is not None else None
-        output = DetectorOutput(events, point_stuff)
+        output = DetectorOutput(decoded, point_stuff)
         if not self.training:
             output.instances = self.instances(output)
         return output
@@ -139,46 +146,43 @@ class Detector(nn.Module):
         return thing | fallback
 
     @staticmethod
-    def _to_points(events: list[EventPrediction], attend: torch.Tensor, voxel_event: torch.Tensor,
-                   voxel_of_point: torch.Tensor, point_event: torch.Tensor, num_events: int) -> list[EventPrediction]:
-        """Each event's mask logits over its attended voxels -> over its points (-1e4 where left out)."""
-        voxel_start = torch.bincount(voxel_event, minlength=num_events).cumsum(0).tolist()
-        point_start = torch.bincount(point_event, minlength=num_events).cumsum(0).tolist()
-        out = []
-        for b, prediction in enumerate(events):
-            v0, v1 = (voxel_start[b - 1] if b else 0), voxel_start[b]
-            p0, p1 = (point_start[b - 1] if b else 0), point_start[b]
-            column = torch.full((v1 - v0,), -1, dtype=torch.long, device=attend.device)
-            kept = attend[v0:v1]
-            column[kept] = torch.arange(int(kept.sum()), device=attend.device)
-            point_column = column[voxel_of_point[p0:p1] - v0]
-            for layer in prediction.layers:
-                layer.mask_logits = _to_point_columns(layer.mask_logits, point_column)
-            out.append(prediction)
-        return out
+    def _to_points(decoded: DecoderOutput, attend: torch.Tensor, voxel_event: torch.Tensor,
+                   attended_counts: torch.Tensor, voxel_of_point: torch.Tensor, offset: torch.Tensor) -> DecoderOutput:
+        """Mask logits over each event's attended voxels -> over its points (PADDING_BIAS where the point's
+        voxel was not attended), every event and layer in one gather."""
+        width = decoded.final.mask_logits.shape[-1]  # the padding column appended below
+        attended_start = attended_counts.cumsum(0) - attended_counts
+        column = torch.where(attend, attend.long().cumsum(0) - 1 - attended_start[voxel_event], width)
+        point_counts = torch.diff(offset, prepend=offset.new_zeros(1))
+        slot, _ = padded_slots(point_counts.tolist(), offset.device)
+        point_column = torch.cat([column.index_select(0, voxel_of_point), column.new_full((1,), width)])[slot]
+
+        def to_points(mask_logits: torch.Tensor) -> torch.Tensor:
+            padded = torch.cat([mask_logits, mask_logits.new_full((*mask_logits.shape[:2], 1), PADDING_BIAS)], -1)
+            return padded.gather(2, point_column.unsqueeze(1).expand(-1, padded.shape[1], -1))
+
+        layers = [BatchLayerPrediction(layer.class_logits, to_points(layer.mask_logits), layer.momentum, layer.vertex)
+                  for layer in decoded.layers]
+        return DecoderOutput(layers, point_counts.tolist())
 
     @torch.no_grad()
     def instances(self, output: DetectorOutput) -> list[EventInstances]:
         """Each event's post-processed instances; points whose stuff probability is >= stuff_threshold
-        are stuff (instance -1, class the first stuff class, score the stuff probability)."""
+        are stuff (in no mask; instance -1, class the first stuff class, score the stuff probability)."""
         result, start = [], 0
         for prediction in output.events:
             layer = prediction.final
-            found = instances_from_queries(layer.class_logits, layer.mask_logits, **self.postprocess)
             size = layer.mask_logits.shape[1]
+            stuff_prob = stuff = None
             if output.stuff_logits is not None and self.stuff_classes:
                 stuff_prob = output.stuff_logits[start:start + size].float().sigmoid()
                 stuff = stuff_prob >= self.stuff_threshold
+            found = instances_from_queries(layer.class_logits, layer.mask_logits, **self.postprocess,
+                                           thing=None if stuff is None else ~stuff)
+            if stuff is not None:
                 found.instance[stuff] = -1
                 found.point_class[stuff] = self.stuff_classes[0]
                 found.score[stuff] = stuff_prob[stuff]
             start += size
             result.append(found)
         return result
-
-
-def _to_point_columns(mask_logits: torch.Tensor, point_column: torch.Tensor) -> torch.Tensor:
-    """(Q, attended voxels) -> (Q, points): each point takes its voxel's column, PADDING_BIAS where the voxel
-    was not attended (point_column -1)."""
-    padded = torch.cat([mask_logits, mask_logits.new_full((len(mask_logits), 1), PADDING_BIAS)], 1)
-    return padded[:, torch.where(point_column < 0, mask_logits.shape[1], point_column)]

@@ -54,6 +54,63 @@ class EventPrediction:
         return [*self.aux, self.final]
 
 
+@dataclass
+class BatchLayerPrediction:
+    """One decoder layer's predictions for every event of a batch, events padded to one length."""
+
+    class_logits: torch.Tensor  # (B, Q, num_classes + 1)
+    mask_logits: torch.Tensor  # (B, Q, P): event b's points are its first counts[b] columns
+    momentum: torch.Tensor | None = None  # (B, Q)
+    vertex: torch.Tensor | None = None  # (B, Q, 3)
+
+    def event(self, b: int, num_points: int) -> LayerPrediction:
+        """Event b's predictions over its own points (views, no copy)."""
+        return LayerPrediction(self.class_logits[b], self.mask_logits[b, :, :num_points],
+                               None if self.momentum is None else self.momentum[b],
+                               None if self.vertex is None else self.vertex[b])
+
+
+@dataclass
+class DecoderOutput:
+    """Every decoder layer's batched predictions (first to last) and each event's point count: what the loss
+    reads as it is; `events` gives one EventPrediction per event (views) for post-processing."""
+
+    layers: list[BatchLayerPrediction]
+    counts: list[int]  # points of each event; mask_logits columns past them are padding
+
+    @property
+    def final(self) -> BatchLayerPrediction:
+        return self.layers[-1]
+
+    def event(self, b: int) -> EventPrediction:
+        size = self.counts[b]
+        return EventPrediction(final=self.final.event(b, size),
+                               aux=[layer.event(b, size) for layer in self.layers[:-1]])
+
+    @property
+    def events(self) -> list[EventPrediction]:
+        return [self.event(b) for b in range(len(self.counts))]
+
+    @classmethod
+    def from_events(cls, events: list[EventPrediction]) -> DecoderOutput:
+        """Per-event predictions (every event with the same layers and queries) -> one padded batch."""
+        counts = [prediction.final.mask_logits.shape[1] for prediction in events]
+
+        def stack(field: str, layer: int) -> torch.Tensor | None:
+            values = [getattr(prediction.layers[layer], field) for prediction in events]
+            return None if values[0] is None else torch.stack(values)
+
+        layers = []
+        for layer in range(len(events[0].layers)):
+            masks = [prediction.layers[layer].mask_logits for prediction in events]
+            padded = masks[0].new_full((len(masks), masks[0].shape[0], max(counts)), PADDING_BIAS)
+            for b, mask in enumerate(masks):
+                padded[b, :, :mask.shape[1]] = mask
+            layers.append(BatchLayerPrediction(stack("class_logits", layer), padded, stack("momentum", layer),
+                                               stack("vertex", layer)))
+        return cls(layers, counts)
+
+
 class MLP(nn.Module):
     """Linear -> GELU -> Linear."""
 
@@ -191,10 +248,9 @@ class QueryDetector(nn.Module):
         self.vertex_head = MLP(hidden_channels, hidden_channels, 3) if vertex_head else None
         self.apply(_init_linear)
 
-    def forward(self, feat: torch.Tensor, offset: torch.Tensor,
-                coord: torch.Tensor | None = None) -> list[EventPrediction]:
+    def forward(self, feat: torch.Tensor, offset: torch.Tensor, coord: torch.Tensor | None = None) -> DecoderOutput:
         """feat (N, in_channels), offset (B,) cumulative point counts, coord (N, 3) (needed with
-        point_position) -> one EventPrediction per event, its mask logits over that event's points only."""
+        point_position) -> every layer's predictions, batched: mask logits over each event's own points."""
         if self.pos_emb is not None and coord is None:
             raise ValueError("QueryDetector(point_position=True) needs coord (N, 3): pass the points' "
                              "coordinates, or build it with point_position=False")
@@ -202,11 +258,10 @@ class QueryDetector(nn.Module):
         if len(feat) != sum(counts) or min(counts) < 1:
             raise ValueError(f"offset {offset.tolist()} does not split {len(feat)} points into events of at "
                              "least one point; offset is the cumulative point count per event")
-        points = _pad_events(self.full_point_proj(feat), counts)
-        point_pos = _pad_events(self.pos_emb(coord.to(feat.dtype)), counts) if self.pos_emb is not None \
+        slot, padding = padded_slots(counts, feat.device)
+        points = _pad_events(self.full_point_proj(feat), slot)
+        point_pos = _pad_events(self.pos_emb(coord.to(feat.dtype)), slot) if self.pos_emb is not None \
             else torch.zeros_like(points)
-        padding = torch.arange(points.shape[1], device=feat.device) >= torch.tensor(
-            counts, device=feat.device).unsqueeze(1)
         batch = len(counts)
         q = self.query_feat.weight.unsqueeze(0).expand(batch, -1, -1)
         q_pos = self.query_embed.weight.unsqueeze(0).expand(batch, -1, -1)
@@ -214,26 +269,15 @@ class QueryDetector(nn.Module):
         for block in self.blocks:
             q, mask_logits = block(q, q_pos, points, point_pos, padding)
             layers.append(self._heads(q, mask_logits))
-        return [EventPrediction(final=self._event(layers[-1], b, size),
-                                aux=[self._event(layer, b, size) for layer in layers[:-1]])
-                for b, size in enumerate(counts)]
+        return DecoderOutput(layers, counts)
 
-    def _heads(self, q: torch.Tensor, mask_logits: torch.Tensor) -> LayerPrediction:
+    def _heads(self, q: torch.Tensor, mask_logits: torch.Tensor) -> BatchLayerPrediction:
         q = self.final_norm(q)
         class_logits = self.cls_pred(q)
         momentum = (self.momentum_head(torch.cat([q, class_logits[..., :-1]], -1)).squeeze(-1)
                     if self.momentum_head is not None else None)
         vertex = self.vertex_head(q) if self.vertex_head is not None else None
-        return LayerPrediction(class_logits, mask_logits, momentum, vertex)
-
-    @staticmethod
-    def _event(layer: LayerPrediction, b: int, num_points: int) -> LayerPrediction:
-        return LayerPrediction(
-            class_logits=layer.class_logits[b],
-            mask_logits=layer.mask_logits[b, :, :num_points],
-            momentum=layer.momentum[b] if layer.momentum is not None else None,
-            vertex=layer.vertex[b] if layer.vertex is not None else None,
-        )
+        return BatchLayerPrediction(class_logits, mask_logits, momentum, vertex)
 
 
 def _init_linear(module: nn.Module) -> None:
@@ -244,9 +288,19 @@ def _init_linear(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
 
 
-def _pad_events(values: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """(N, C) packed by event -> (B, max count, C), zeros after each event's points."""
-    return nn.utils.rnn.pad_sequence(list(values.split(counts)), batch_first=True)
+def padded_slots(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Points packed by event -> (slot (B, P): the packed row of each padded position, N (one past the last
+    row) where an event has no point; padding (B, P) bool, True there)."""
+    count = torch.tensor(counts, device=device)
+    column = torch.arange(max(counts), device=device)
+    padding = column >= count.unsqueeze(1)
+    slot = (count.cumsum(0) - count).unsqueeze(1) + column
+    return slot.masked_fill(padding, int(count.sum())), padding
+
+
+def _pad_events(values: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """(N, C) packed by event -> (B, P, C), zeros after each event's points (one gather each way)."""
+    return torch.cat([values, values.new_zeros(1, values.shape[1])])[slot]
 
 
 @dataclass
@@ -270,6 +324,8 @@ def instances_from_queries(
     min_points: int = 2,  # detector_v1m1.py:1075
     nms_sigma: float = 2.0,  # detector_v1m1.py:1072, gaussian matrix NMS
     stuff_classes: tuple[int, ...] = (),
+    thing: torch.Tensor | None = None,
+    fill_uncovered: bool = False,  # detector_v1m1.py:1076
 ) -> EventInstances:
     """One event's queries (class_logits (Q, K+1), mask_logits (Q, N)) -> per point instance, class, score.
 
@@ -278,12 +334,17 @@ def instances_from_queries(
     (sigmoid > mask_threshold) has >= min_points points. Its score is the class probability times the
     mean mask probability over its mask, decayed by gaussian matrix NMS against higher-scored masks of
     the same class; scores below score_threshold are dropped. In decreasing score each instance takes
-    the points of its mask that no better instance took, if at least min_points remain.
+    the points of its mask that no better instance took, if at least min_points remain. `thing` (N,) bool
+    (the points the stuff head calls things) limits every mask before any of this. With fill_uncovered, the
+    candidates then, in decreasing score before NMS, each make one more instance of the points of their mask
+    still untaken, if at least min_points (postprocess.py: fill_uncovered).
     """
     num_classes = class_logits.shape[1] - 1
     num_points = mask_logits.shape[1]
     mask_prob = mask_logits.float().sigmoid()
     masks = mask_prob > mask_threshold
+    if thing is not None:
+        masks &= thing.unsqueeze(0)
     class_prob, label = class_logits.float().softmax(-1).max(-1)
     candidate = (label != num_classes) & (class_prob >= score_threshold) & (masks.sum(1) >= min_points)
     for stuff in stuff_classes:
@@ -291,7 +352,8 @@ def instances_from_queries(
     query = candidate.nonzero().squeeze(1)
     masks, label = masks[query], label[query]
     mask_score = (mask_prob[query] * masks).sum(1) / masks.sum(1).clamp(min=1)
-    score = _matrix_nms(masks, label, class_prob[query] * mask_score, nms_sigma)
+    combined = class_prob[query] * mask_score
+    score = _matrix_nms(masks, label, combined, nms_sigma)
     order = torch.argsort(score, descending=True, stable=True)
     order = order[score[order] >= score_threshold]
 
@@ -306,9 +368,19 @@ def instances_from_queries(
         instance[free] = len(kept)
         point_class[free] = label[i]
         point_score[free] = score[i]
-        kept.append(i)
-    kept = torch.tensor(kept, dtype=torch.long, device=mask_logits.device)
-    return EventInstances(instance, point_class, point_score, query[kept], score[kept], label[kept])
+        kept.append((i, score[i]))
+    if fill_uncovered:
+        for i in torch.argsort(combined, descending=True, stable=True).tolist():
+            free = masks[i] & (instance < 0)
+            if int(free.sum()) < min_points:
+                continue
+            instance[free] = len(kept)
+            point_class[free] = label[i]
+            point_score[free] = combined[i]
+            kept.append((i, combined[i]))
+    rows = torch.tensor([i for i, _ in kept], dtype=torch.long, device=mask_logits.device)
+    instance_score = torch.stack([s for _, s in kept]) if kept else score[:0]
+    return EventInstances(instance, point_class, point_score, query[rows], instance_score, label[rows])
 
 
 def _matrix_nms(masks: torch.Tensor, label: torch.Tensor, score: torch.Tensor, sigma: float) -> torch.Tensor:

@@ -85,7 +85,7 @@ class Panoptic(Task):
             targets.append(event_targets(instance[lo:hi], point_class[lo:hi], momentum, vertex))
         event_ids = batch["event_id"].tolist() if "event_id" in batch else range(len(ends))
         generators = [torch.Generator().manual_seed(int(e)) for e in event_ids]
-        event_losses, _ = detector_event_losses(output.events, targets, self.weights, generators)
+        event_losses, _ = detector_event_losses(output.decoder, targets, self.weights, generators)
         if output.stuff_logits is not None:
             stuff_target = torch.isin(point_class, torch.tensor(self.stuff_classes, device=point_class.device))
             per_point = F.binary_cross_entropy_with_logits(output.stuff_logits.float(), stuff_target.float(),

@@ -4,7 +4,10 @@ and optional momentum / vertex losses on the matched pairs, at the last decoder 
 Published: DeepLearnPhysics/pimm pimm/models/panda_detector/matcher.py (costs) and
 pimm/models/losses/instance.py (losses); the weights are configs/panda/panseg/
 detector-v1m1-pt-v3m2-ft-pid-dec.py:89-104. Every loss is computed per event, then averaged over the
-events where it is defined, so no event's loss depends on which events share its batch.
+events where it is defined, so no event's loss depends on which events share its batch. All events of a
+batch are computed at once (padded to one length): for a matched pair the matching's focal and dice costs
+are its focal and dice losses, so they are computed once, with gradients, and only the assignment itself
+(scipy's linear_sum_assignment) runs per event.
 What pimm does differently: an instance's class is its points' most common class (published: its first
 point's, the same for pure instances); an event without instances still teaches its queries
 no-object (published skips it); the vertex loss is pimm's.
@@ -14,11 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from scipy.optimize import linear_sum_assignment
 
-from pimm.models.query_detector import PADDING_BIAS, EventPrediction, LayerPrediction
+from pimm.models.query_detector import PADDING_BIAS, BatchLayerPrediction, DecoderOutput
 
 
 @dataclass(frozen=True)
@@ -85,11 +89,17 @@ def event_targets(instance: torch.Tensor, point_class: torch.Tensor, momentum: t
 def _focal_terms(logits: torch.Tensor, alpha: float, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid focal loss of every logit against target 1 and against target 0."""
     prob = logits.sigmoid()
-    positive = alpha * (1 - prob) ** gamma * F.binary_cross_entropy_with_logits(
-        logits, torch.ones_like(logits), reduction="none")
-    negative = (1 - alpha) * prob**gamma * F.binary_cross_entropy_with_logits(
-        logits, torch.zeros_like(logits), reduction="none")
+    positive = alpha * (1 - prob) ** gamma * -F.logsigmoid(logits)  # binary cross-entropy against 1
+    negative = (1 - alpha) * prob**gamma * -F.logsigmoid(-logits)  # against 0
     return positive, negative
+
+
+def assign_queries(cost: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Hungarian assignment (scipy's linear_sum_assignment) of a (Q, T) cost -> (query indices, target
+    indices), min(Q, T) pairs, target indices ascending."""
+    rows, cols = linear_sum_assignment(cost)
+    order = cols.argsort()
+    return torch.as_tensor(rows[order], dtype=torch.long), torch.as_tensor(cols[order], dtype=torch.long)
 
 
 @torch.no_grad()
@@ -119,60 +129,141 @@ def hungarian_match(class_logits: torch.Tensor, mask_logits: torch.Tensor, targe
     class_prob = class_logits[:, :-1].float().softmax(-1)
     cost_class = -torch.log(class_prob[:, target_classes] + 1e-8)
     cost = weights.cost_mask * cost_focal + weights.cost_dice * cost_dice + weights.cost_class * cost_class
-    rows, cols = linear_sum_assignment(cost.cpu().numpy())
-    order = cols.argsort()
-    return torch.as_tensor(rows[order], dtype=torch.long), torch.as_tensor(cols[order], dtype=torch.long)
+    return assign_queries(cost.cpu().numpy())
 
 
-def _layer_terms(layer: LayerPrediction, target: EventTargets, weights: DetectorLossWeights,
-                 generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-    """One layer's unweighted loss terms for one event; a term without pairs (or targets) is left out."""
-    # points of a true instance that the decoder read: a point the stuff head left out has the padding logit
-    # (published: it enters the mask terms anyway, a constant of ~2,500 per point in the focal loss that moves
-    # no gradient but buries the loss curve)
-    labelled = (target.instance >= 0) & (layer.mask_logits[0] > PADDING_BIAS / 2)
-    masks = target.masks[:, labelled]
-    mask_logits = layer.mask_logits[:, labelled]
-    query, matched = hungarian_match(layer.class_logits, mask_logits, target.instance_class, masks, weights,
-                                     generator)
-    query, matched = query.to(mask_logits.device), matched.to(mask_logits.device)
-    terms = {}
-    no_object = torch.ones(len(layer.class_logits), dtype=torch.bool, device=query.device)
-    no_object[query] = False
-    class_terms = []
-    if len(query):
-        logits = mask_logits[query].float()
-        truth = masks[matched].float()
-        positive, negative = _focal_terms(logits, weights.focal_alpha, weights.focal_gamma)
-        terms["focal"] = (truth * positive + (1 - truth) * negative).mean(1).mean()
-        prob = logits.sigmoid()
-        terms["dice"] = (1 - (2 * (prob * truth).sum(1) + 1) / (prob.sum(1) + truth.sum(1) + 1)).mean()
-        terms["class_matched"] = F.cross_entropy(layer.class_logits[query].float(), target.instance_class[matched])
-        class_terms.append(weights.class_matched * terms["class_matched"])
-        if layer.momentum is not None and target.momentum is not None:
-            terms["momentum"] = F.smooth_l1_loss(layer.momentum[query].float(), target.momentum[matched].float())
-        if layer.vertex is not None and target.vertex is not None:
-            terms["vertex"] = F.smooth_l1_loss(layer.vertex[query].float(), target.vertex[matched].float())
-    if no_object.any():
-        empty = torch.full((int(no_object.sum()),), layer.class_logits.shape[1] - 1, device=query.device)
-        terms["class_no_object"] = F.cross_entropy(layer.class_logits[no_object].float(), empty)
-        class_terms.append(weights.class_no_object * terms["class_no_object"])
+@dataclass
+class BatchTargets:
+    """A batch's truth padded like the decoder's points (column n of event b is its point n)."""
+
+    instance: torch.Tensor  # (B, P) long, 0..T_b-1, -1 for no instance and past the event's points
+    masks: torch.Tensor  # (B, T, P) float, 1 where the point is in the instance; rows past T_b are 0
+    instance_class: torch.Tensor  # (B, T) long, 0 past T_b
+    count: list[int]  # T_b, the instances of each event
+    momentum: torch.Tensor | None  # (B, T)
+    vertex: torch.Tensor | None  # (B, T, 3)
+
+
+def batch_targets(targets: list[EventTargets], width: int) -> BatchTargets:
+    """Per-event targets -> one padded batch of `width` point columns."""
+    device = targets[0].instance.device
+    count = [len(target.instance_class) for target in targets]
+    most = max(count)
+    instance = torch.full((len(targets), width), -1, dtype=torch.long, device=device)
+    instance_class = torch.zeros(len(targets), most, dtype=torch.long, device=device)
+    for b, target in enumerate(targets):
+        instance[b, :len(target.instance)] = target.instance
+        instance_class[b, :count[b]] = target.instance_class
+    one_hot = torch.zeros(len(targets), most + 1, width, device=device)
+    one_hot.scatter_(1, torch.where(instance >= 0, instance, most).unsqueeze(1), 1.0)
+
+    def padded(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        if any(getattr(target, name) is None for target in targets):
+            return None
+        out = torch.zeros(len(targets), most, *shape, device=device)
+        for b, target in enumerate(targets):
+            out[b, :count[b]] = getattr(target, name).float()
+        return out
+
+    return BatchTargets(instance, one_hot[:, :most], instance_class, count, padded("momentum", ()),
+                        padded("vertex", (3,)))
+
+
+# one term of every event: its value and whether the event defines it (False: no matched pair, ...)
+EventTerm = tuple[torch.Tensor, torch.Tensor]
+
+
+def _layer_terms(layer: BatchLayerPrediction, truth: BatchTargets, weights: DetectorLossWeights,
+                 generators: list[torch.Generator | None]) -> tuple[torch.Tensor, dict[str, EventTerm]]:
+    """One layer's loss of every event (B,) and its unweighted terms, all events at once.
+
+    The focal and dice matching costs of every (query, instance) pair are, for a matched pair, its focal and
+    dice losses; they are computed once, with gradients, and the matched entries are the loss terms. Mask
+    terms count the points of a true instance that the decoder read: a point the stuff head left out has the
+    padding logit (published: it enters the mask terms anyway, a constant of ~2,500 per point in the focal
+    loss that moves no gradient but buries the loss curve).
+    """
+    logits = layer.mask_logits.float()
+    batch, num_queries, _ = logits.shape
+    valid = (truth.instance >= 0) & (logits[:, 0] > PADDING_BIAS / 2)  # (B, P)
+    keep = valid.unsqueeze(1).float()
+    masks = truth.masks * keep  # (B, T, P)
+    points = keep.sum(-1, keepdim=True)  # (B, 1, 1)
+    positive, negative = _focal_terms(logits, weights.focal_alpha, weights.focal_gamma)
+    negative = negative * keep
+    focal = (negative.sum(-1, keepdim=True) + (positive * keep - negative) @ masks.transpose(1, 2)) \
+        / points.clamp(min=1)  # (B, Q, T): mean over the event's points
+    prob = logits.sigmoid() * keep
+    dice = 1 - (2 * prob @ masks.transpose(1, 2) + 1) / (prob.sum(-1, keepdim=True) + masks.sum(-1).unsqueeze(1) + 1)
+    class_logits = layer.class_logits.float()
+    class_prob = class_logits[..., :-1].softmax(-1)
+    target_class = truth.instance_class.unsqueeze(1).expand(-1, num_queries, -1)
+    cost_class = -torch.log(class_prob.gather(2, target_class) + 1e-8)
+    cost = (weights.cost_mask * focal + weights.cost_dice * dice + weights.cost_class * cost_class).detach()
+
+    pairs = _match(layer, truth, valid, cost, weights, generators)
+    pair_event, pair_query, pair_target = (torch.cat(side).to(logits.device) for side in zip(*pairs))
+    num_pairs = torch.bincount(pair_event, minlength=batch)
+    matched = num_pairs > 0
+
+    def event_mean(per_pair: torch.Tensor) -> torch.Tensor:
+        return per_pair.new_zeros(batch).index_add(0, pair_event, per_pair) / num_pairs.clamp(min=1)
+
+    terms = {"focal": (event_mean(focal[pair_event, pair_query, pair_target]), matched),
+             "dice": (event_mean(dice[pair_event, pair_query, pair_target]), matched)}
+    query_class = torch.full((batch, num_queries), class_logits.shape[-1] - 1, device=logits.device)
+    query_class[pair_event, pair_query] = truth.instance_class[pair_event, pair_target]
+    is_matched = torch.zeros(batch, num_queries, dtype=torch.bool, device=logits.device)
+    is_matched[pair_event, pair_query] = True
+    cross_entropy = F.cross_entropy(class_logits.flatten(0, 1), query_class.flatten(), reduction="none")
+    cross_entropy = cross_entropy.reshape(batch, num_queries)
+    no_object = ~is_matched
+    terms["class_matched"] = ((cross_entropy * is_matched).sum(1) / num_pairs.clamp(min=1), matched)
+    terms["class_no_object"] = ((cross_entropy * no_object).sum(1) / no_object.sum(1).clamp(min=1),
+                                no_object.any(1))
     # instance.py:288-304, 543: the weighted matched and no-object terms are averaged
-    terms["class"] = torch.stack(class_terms).mean()
-    return terms
-
-
-def _weighted(terms: dict[str, torch.Tensor], weights: DetectorLossWeights) -> torch.Tensor:
-    """One layer's loss of one event: focal * focal + dice * dice + class + momentum * momentum + vertex * vertex,
-    a term the event does not define counting 0."""
-    total = terms["class"]
+    class_sum = (weights.class_matched * terms["class_matched"][0] * matched
+                 + weights.class_no_object * terms["class_no_object"][0] * no_object.any(1))
+    terms["class"] = (class_sum / (matched.float() + no_object.any(1).float()), torch.ones_like(matched))
+    if layer.momentum is not None and truth.momentum is not None:
+        error = F.smooth_l1_loss(layer.momentum[pair_event, pair_query].float(),
+                                 truth.momentum[pair_event, pair_target], reduction="none")
+        terms["momentum"] = (event_mean(error), matched)
+    if layer.vertex is not None and truth.vertex is not None:
+        error = F.smooth_l1_loss(layer.vertex[pair_event, pair_query].float(),
+                                 truth.vertex[pair_event, pair_target], reduction="none")
+        terms["vertex"] = (event_mean(error.mean(1)), matched)
+    loss = terms["class"][0]
     for name in ("focal", "dice", "momentum", "vertex"):
         if name in terms:
-            total = total + getattr(weights, name) * terms[name]
-    return total
+            value, defined = terms[name]
+            loss = loss + getattr(weights, name) * torch.where(defined, value, 0.0)
+    return loss, terms
 
 
-def detector_event_losses(outputs: list[EventPrediction], targets: list[EventTargets],
+def _match(layer: BatchLayerPrediction, truth: BatchTargets, valid: torch.Tensor, cost: torch.Tensor,
+           weights: DetectorLossWeights, generators: list[torch.Generator | None]
+           ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each event's matched (event, query, target) index triples: the Hungarian assignment of `cost`, or, for
+    an event with more than match_points points, hungarian_match on points drawn from its generator."""
+    points = valid.sum(1).tolist()
+    cost = cost.cpu().numpy()
+    pairs = [(torch.zeros(0, dtype=torch.long),) * 3]
+    for b, count in enumerate(truth.count):
+        if count == 0 or points[b] == 0:
+            continue
+        if weights.match_points and points[b] > weights.match_points:
+            rows = valid[b].nonzero().squeeze(1)
+            query, target = hungarian_match(layer.class_logits[b], layer.mask_logits[b][:, rows],
+                                            truth.instance_class[b, :count], truth.masks[b, :count][:, rows] > 0,
+                                            weights, generators[b])
+        else:
+            query, target = assign_queries(cost[b, :, :count])
+        pairs.append((torch.full_like(query, b), query, target))
+    return pairs
+
+
+def detector_event_losses(output: DecoderOutput, targets: list[EventTargets],
                           weights: DetectorLossWeights = DetectorLossWeights(),
                           generators: list[torch.Generator | None] | None = None
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -183,31 +274,29 @@ def detector_event_losses(outputs: list[EventPrediction], targets: list[EventTar
     "class_matched", "class_no_object", and "momentum", "vertex" where predicted and known), "aux{l}_{name}"
     for layer l. `generators[b]` draws event b's matching points (only when it has more than match_points).
     """
-    if len(outputs) != len(targets) or not outputs:
-        raise ValueError(f"detector_loss got {len(outputs)} predicted and {len(targets)} target events; "
+    if len(output.counts) != len(targets) or not targets:
+        raise ValueError(f"detector_loss got {len(output.counts)} predicted and {len(targets)} target events; "
                          "pass one EventTargets per event of the batch")
-    generators = generators or [None] * len(outputs)
-    event_losses, per_event = [], []
-    for b, (prediction, target) in enumerate(zip(outputs, targets)):
-        if prediction.final.mask_logits.shape[1] != len(target.instance):
-            raise ValueError(f"event {b}: {prediction.final.mask_logits.shape[1]} predicted points but "
-                             f"{len(target.instance)} target points; targets must follow the model's points")
-        final = _layer_terms(prediction.final, target, weights, generators[b])
-        loss, terms = _weighted(final, weights), dict(final)
-        for layer_index, layer in enumerate(prediction.aux):
-            aux = _layer_terms(layer, target, weights, generators[b])
-            loss = loss + weights.aux * _weighted(aux, weights)
-            terms.update({f"aux{layer_index}_{name}": value for name, value in aux.items()})
-        event_losses.append(loss)
-        per_event.append(terms)
-    names = dict.fromkeys(name for terms in per_event for name in terms)
-    means = {name: torch.stack([t[name].detach() for t in per_event if name in t]).mean() for name in names}
-    return torch.stack(event_losses), means
+    for b, (count, target) in enumerate(zip(output.counts, targets)):
+        if count != len(target.instance):
+            raise ValueError(f"event {b}: {count} predicted points but {len(target.instance)} target points; "
+                             "targets must follow the model's points")
+    generators = generators or [None] * len(targets)
+    truth = batch_targets(targets, output.final.mask_logits.shape[-1])
+    # the last layer first, then the earlier ones: each event's generator draws in that order
+    event_losses, terms = _layer_terms(output.final, truth, weights, generators)
+    named = dict(terms)
+    for index, layer in enumerate(output.layers[:-1]):
+        loss, aux = _layer_terms(layer, truth, weights, generators)
+        event_losses = event_losses + weights.aux * loss
+        named.update({f"aux{index}_{name}": value for name, value in aux.items()})
+    means = {name: value.detach()[defined].mean() for name, (value, defined) in named.items() if defined.any()}
+    return event_losses, means
 
 
-def detector_loss(outputs: list[EventPrediction], targets: list[EventTargets],
+def detector_loss(output: DecoderOutput, targets: list[EventTargets],
                   weights: DetectorLossWeights = DetectorLossWeights(),
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One batch's detector loss, the mean of `detector_event_losses` over its events -> (total, named terms)."""
-    event_losses, terms = detector_event_losses(outputs, targets, weights, [generator] * len(outputs))
+    event_losses, terms = detector_event_losses(output, targets, weights, [generator] * len(targets))
     return event_losses.mean(), terms
