@@ -5,9 +5,9 @@ Published: DeepLearnPhysics/pimm pimm/models/panda_detector/matcher.py (costs) a
 pimm/models/losses/instance.py (losses); the weights are configs/panda/panseg/
 detector-v1m1-pt-v3m2-ft-pid-dec.py:89-104. Every loss is computed per event, then averaged over the
 events where it is defined, so no event's loss depends on which events share its batch. All events of a
-batch are computed at once (padded to one length): for a matched pair the matching's focal and dice costs
-are its focal and dice losses, so they are computed once, with gradients, and only the assignment itself
-(scipy's linear_sum_assignment) runs per event.
+batch are computed at once (padded to one length): the matching costs of every (query, instance) pair without
+gradients, then the loss terms of the matched pairs only; only the assignment itself (scipy's
+linear_sum_assignment) runs per event.
 What pimm does differently: an instance's class is its points' most common class (published: its first
 point's, the same for pure instances); an event without instances still teaches its queries
 no-object (published skips it); the vertex loss is pimm's.
@@ -173,35 +173,40 @@ def batch_targets(targets: list[EventTargets], width: int) -> BatchTargets:
 EventTerm = tuple[torch.Tensor, torch.Tensor]
 
 
+def _matching_cost(logits: torch.Tensor, class_logits: torch.Tensor, truth: BatchTargets, keep: torch.Tensor,
+                   weights: DetectorLossWeights) -> torch.Tensor:
+    """(B, Q, T) Hungarian cost of every (query, instance) pair of every event over the points `keep` (B, P)
+    marks: cost_mask * mean focal loss + cost_dice * dice loss + cost_class * -log p(instance class)."""
+    keep = keep.float()
+    masks = truth.masks * keep.unsqueeze(1)  # (B, T, P)
+    positive, negative = _focal_terms(logits, weights.focal_alpha, weights.focal_gamma)
+    points = keep.sum(1).clamp(min=1)[:, None, None]
+    # mean over the kept points of positive where the instance is, negative elsewhere
+    focal = ((positive - negative) @ masks.transpose(1, 2) + negative @ keep.unsqueeze(2)) / points
+    prob = logits.sigmoid()
+    dice = 1 - (2 * prob @ masks.transpose(1, 2) + 1) / (prob @ keep.unsqueeze(2) + masks.sum(-1).unsqueeze(1) + 1)
+    class_prob = class_logits[..., :-1].softmax(-1)
+    target_class = truth.instance_class.unsqueeze(1).expand(-1, logits.shape[1], -1)
+    cost_class = -torch.log(class_prob.gather(2, target_class) + 1e-8)
+    return weights.cost_mask * focal + weights.cost_dice * dice + weights.cost_class * cost_class
+
+
 def _layer_terms(layer: BatchLayerPrediction, truth: BatchTargets, weights: DetectorLossWeights,
                  generators: list[torch.Generator | None]) -> tuple[torch.Tensor, dict[str, EventTerm]]:
-    """One layer's loss of every event (B,) and its unweighted terms, all events at once.
+    """One layer's loss of every event (B,) and its unweighted terms, all events at once: the matching cost of
+    every pair without gradients, then the loss terms of the matched pairs only.
 
-    The focal and dice matching costs of every (query, instance) pair are, for a matched pair, its focal and
-    dice losses; they are computed once, with gradients, and the matched entries are the loss terms. Mask
-    terms count the points of a true instance that the decoder read: a point the stuff head left out has the
-    padding logit (published: it enters the mask terms anyway, a constant of ~2,500 per point in the focal
+    Mask terms count the points of a true instance that the decoder read: a point the stuff head left out has
+    the padding logit (published: it enters the mask terms anyway, a constant of ~2,500 per point in the focal
     loss that moves no gradient but buries the loss curve).
     """
     logits = layer.mask_logits.float()
     batch, num_queries, _ = logits.shape
-    valid = (truth.instance >= 0) & (logits[:, 0] > PADDING_BIAS / 2)  # (B, P)
-    keep = valid.unsqueeze(1).float()
-    masks = truth.masks * keep  # (B, T, P)
-    points = keep.sum(-1, keepdim=True)  # (B, 1, 1)
-    positive, negative = _focal_terms(logits, weights.focal_alpha, weights.focal_gamma)
-    negative = negative * keep
-    focal = (negative.sum(-1, keepdim=True) + (positive * keep - negative) @ masks.transpose(1, 2)) \
-        / points.clamp(min=1)  # (B, Q, T): mean over the event's points
-    prob = logits.sigmoid() * keep
-    dice = 1 - (2 * prob @ masks.transpose(1, 2) + 1) / (prob.sum(-1, keepdim=True) + masks.sum(-1).unsqueeze(1) + 1)
+    keep = (truth.instance >= 0) & (logits[:, 0] > PADDING_BIAS / 2)  # (B, P)
     class_logits = layer.class_logits.float()
-    class_prob = class_logits[..., :-1].softmax(-1)
-    target_class = truth.instance_class.unsqueeze(1).expand(-1, num_queries, -1)
-    cost_class = -torch.log(class_prob.gather(2, target_class) + 1e-8)
-    cost = (weights.cost_mask * focal + weights.cost_dice * dice + weights.cost_class * cost_class).detach()
-
-    pairs = _match(layer, truth, valid, cost, weights, generators)
+    with torch.no_grad():
+        cost = _matching_cost(logits, class_logits, truth, keep, weights)
+    pairs = _match(layer, truth, keep, cost, weights, generators)
     pair_event, pair_query, pair_target = (torch.cat(side).to(logits.device) for side in zip(*pairs))
     num_pairs = torch.bincount(pair_event, minlength=batch)
     matched = num_pairs > 0
@@ -209,8 +214,15 @@ def _layer_terms(layer: BatchLayerPrediction, truth: BatchTargets, weights: Dete
     def event_mean(per_pair: torch.Tensor) -> torch.Tensor:
         return per_pair.new_zeros(batch).index_add(0, pair_event, per_pair) / num_pairs.clamp(min=1)
 
-    terms = {"focal": (event_mean(focal[pair_event, pair_query, pair_target]), matched),
-             "dice": (event_mean(dice[pair_event, pair_query, pair_target]), matched)}
+    # the matched pairs' rows: mask logits, truth and kept points, (M, P)
+    pair_logits = logits[pair_event, pair_query]
+    pair_keep = keep[pair_event].float()
+    pair_truth = truth.masks[pair_event, pair_target] * pair_keep
+    positive, negative = _focal_terms(pair_logits, weights.focal_alpha, weights.focal_gamma)
+    focal = (pair_truth * positive + (pair_keep - pair_truth) * negative).sum(1) / pair_keep.sum(1).clamp(min=1)
+    prob = pair_logits.sigmoid() * pair_keep
+    dice = 1 - (2 * (prob * pair_truth).sum(1) + 1) / (prob.sum(1) + pair_truth.sum(1) + 1)
+    terms = {"focal": (event_mean(focal), matched), "dice": (event_mean(dice), matched)}
     query_class = torch.full((batch, num_queries), class_logits.shape[-1] - 1, device=logits.device)
     query_class[pair_event, pair_query] = truth.instance_class[pair_event, pair_target]
     is_matched = torch.zeros(batch, num_queries, dtype=torch.bool, device=logits.device)
@@ -241,19 +253,19 @@ def _layer_terms(layer: BatchLayerPrediction, truth: BatchTargets, weights: Dete
     return loss, terms
 
 
-def _match(layer: BatchLayerPrediction, truth: BatchTargets, valid: torch.Tensor, cost: torch.Tensor,
+def _match(layer: BatchLayerPrediction, truth: BatchTargets, keep: torch.Tensor, cost: torch.Tensor,
            weights: DetectorLossWeights, generators: list[torch.Generator | None]
            ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Each event's matched (event, query, target) index triples: the Hungarian assignment of `cost`, or, for
     an event with more than match_points points, hungarian_match on points drawn from its generator."""
-    points = valid.sum(1).tolist()
+    points = keep.sum(1).tolist()
     cost = cost.cpu().numpy()
     pairs = [(torch.zeros(0, dtype=torch.long),) * 3]
     for b, count in enumerate(truth.count):
         if count == 0 or points[b] == 0:
             continue
         if weights.match_points and points[b] > weights.match_points:
-            rows = valid[b].nonzero().squeeze(1)
+            rows = keep[b].nonzero().squeeze(1)
             query, target = hungarian_match(layer.class_logits[b], layer.mask_logits[b][:, rows],
                                             truth.instance_class[b, :count], truth.masks[b, :count][:, rows] > 0,
                                             weights, generators[b])
