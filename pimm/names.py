@@ -8,7 +8,8 @@ pimm.distributed.strategy) register exactly these names, and the launcher's conf
 OPTIMIZERS = ("SGD", "Adam", "AdamW")  # torch.optim classes of the same name
 SCHEDULERS = ("OneCycleLR", "CosineAnnealingLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR")
 # their options: pimm.config.validate.MODEL_OPTIONS
-MODELS = ("PointSegNet", "PointTransformer", "DefaultSegmentorV2", "detector-v1m1", "Sonata-v1m1")
+MODELS = ("PointSegNet", "PointTransformer", "DefaultSegmentorV2", "detector-v1m1", "detector-v1m2", "Sonata-v1m1")
+DETECTORS = ("detector-v1m1", "detector-v1m2")  # the query detectors (pimm.models.detector): the Panoptic task's models
 BACKBONES = ("PT-v3m2",)  # DefaultSegmentorV2(backbone=dict(type=...)): pimm.config.validate.BACKBONE_OPTIONS
 # the `feat` columns every dataset gives a point (pimm.data.dataset): a model's in_channels must match
 FEATURE_COLUMNS = ("x", "y", "z", "log_energy")
@@ -22,12 +23,12 @@ PANOPTIC_EVENT_METRICS = ("ari_all_labelled", "ari_predicted_things", "ami_all_l
                           "rq")
 # Panoptic task.loss: DetectorLossWeights fields (pimm.tasks.panoptic_loss), and the published criterion's names
 PANOPTIC_LOSS_WEIGHTS = ("cost_class", "cost_mask", "cost_dice", "match_points", "focal", "dice", "class_matched",
-                         "class_no_object", "momentum", "vertex", "focal_alpha", "focal_gamma", "aux")
+                         "class_no_object", "momentum", "vertex", "iou", "focal_alpha", "focal_gamma", "aux")
 PUBLISHED_INSTANCE_LOSS = {
     "cost_mask": "cost_mask", "cost_dice": "cost_dice", "cost_class": "cost_class", "loss_weight_focal": "focal",
     "loss_weight_dice": "dice", "cls_weight_matched": "class_matched", "cls_weight_noobj": "class_no_object",
-    "momentum_loss_weight": "momentum", "focal_alpha": "focal_alpha", "focal_gamma": "focal_gamma",
-    "aux_loss_weight": "aux", "num_points": "match_points",
+    "momentum_loss_weight": "momentum", "iou_loss_weight": "iou", "focal_alpha": "focal_alpha",
+    "focal_gamma": "focal_gamma", "aux_loss_weight": "aux", "num_points": "match_points",
 }
 LOSSES = ("CrossEntropy", "Lovasz", "Focal")  # task.loss=[dict(type=..., weight=...)]: pimm.tasks.losses
 SERIALIZATION_ORDERS = ("z", "z-trans", "hilbert", "hilbert-trans")  # PointTransformer orders=...
@@ -53,6 +54,7 @@ TRANSFORMS = {
     "LogEnergy": {"scale": None},  # feature log_energy = log1p(energy / scale); None: the dataset's energy_scale
     "RandomCrop": {"max_points": 100000},  # the max_points points nearest to a random point of the event
     "CenterShift": {},  # move the event's bounding-box centre to the volume centre
+    "MomentumTransform": {"keys": ("momentum",)},  # each key's positive values p -> log10(p) (detector-v1m2 recipes)
 }
 # the transforms that draw random numbers (GridSample with mode="random" only)
 RANDOM_TRANSFORMS = ("RandomRotate", "RandomFlip", "Jitter", "RandomScale", "RandomCrop", "GridSample")

@@ -24,9 +24,9 @@ Three commands:
 `manifest` builds the published segmentor for each configuration of `CONFIGURATIONS` and writes every
 state_dict entry's name, shape and dtype; `outputs` writes small seeded models' weights, inputs and
 the published eval outputs (per-point logits) for pimm's tests to compare against; `detector-manifest`
-builds the published Detector (detector-v1m1, with its MaskQueryDecoder) from the `model` of each recipe in
-`DETECTOR_RECIPES`, read from the published config file itself, and writes that model config and every
-state_dict entry's name, shape and dtype.
+builds the published Detector (detector-v1m1, and the momentum detector detector-v1m2, each with its
+MaskQueryDecoder) from the `model` of each recipe in `DETECTOR_RECIPES`, read from the published config file
+itself, and writes that model config and every state_dict entry's name, shape and dtype.
 """
 
 from __future__ import annotations
@@ -54,10 +54,17 @@ PUBLISHED_FILES = {
     "pimm/models/modules.py": "modules.py",
     "pimm/models/default.py": "default.py",
     "pimm/models/panda_detector/detector_v1m1.py": "detector_v1m1.py",
+    "pimm/models/panda_detector/detector_v1m2_momentum.py": "detector_v1m2.py",
     "pimm/models/panda_detector/postprocess.py": "postprocess.py",
 }
-# the published detector recipes whose model detector-manifest builds, at their published widths
-DETECTOR_RECIPES = {name: f"configs/panda/panseg/detector-v1m1-pt-v3m2-ft-{name}.py" for name in ("pid-dec", "vtx-dec")}
+# the published detector recipes whose model detector-manifest builds, at their published widths: name -> (file,
+# changes to its `model`). "v1m2-pid-dec-iou" is the momentum detector with its optional IoU head (predict_iou=True,
+# detector_v1m2_momentum.py:1132), which no published recipe turns on
+DETECTOR_RECIPES = {
+    **{name: (f"configs/panda/panseg/detector-v1m1-pt-v3m2-ft-{name}.py", {}) for name in ("pid-dec", "vtx-dec")},
+    "v1m2-pid-dec": ("configs/panda/panseg/detector-v1m2-pt-v3m2-ft-pid-dec.py", {}),
+    "v1m2-pid-dec-iou": ("configs/panda/panseg/detector-v1m2-pt-v3m2-ft-pid-dec.py", {"predict_iou": True}),
+}
 
 # the published recipes' backbones (configs/panda/semseg/semseg-pt-v3m2-pilarnet-ft-5cls-*.py) and the
 # variants the published code builds (LayerScale off, mask token, encoder only)
@@ -189,6 +196,7 @@ def load_published(mirror: Path) -> types.ModuleType:
     sys.path.insert(0, str(root.parent))
     import published_pimm.default  # noqa: F401  (registers DefaultSegmentorV2)
     import published_pimm.detector_v1m1  # noqa: F401  (registers detector-v1m1)
+    import published_pimm.detector_v1m2  # noqa: F401  (registers detector-v1m2)
     import published_pimm.ptv3m2  # noqa: F401  (registers PT-v3m2)
     from published_pimm import builder
 
@@ -214,8 +222,8 @@ def published_model_config(mirror: Path, path: str) -> dict:
 
 def detector_manifest(builder, mirror: Path) -> dict:
     out = {}
-    for name, path in DETECTOR_RECIPES.items():
-        cfg = published_model_config(mirror, path)
+    for name, (path, changes) in DETECTOR_RECIPES.items():
+        cfg = {**published_model_config(mirror, path), **changes}
         model = builder.build_model(cfg)
         out[name] = {"source": path, "config": cfg,
                      "state_dict": {k: [list(v.shape), str(v.dtype).replace("torch.", "")]

@@ -3,8 +3,9 @@
 Every expected value is cited as `<recipe>.py:<line>` of DeepLearnPhysics/pimm
 configs/panda/panseg/detector-v1m1-pt-v3m2-ft-<recipe>.py, or names the published module it comes from.
 tests/data/published_detector_manifest.json is the published Detector built from the pid-dec and vtx-dec
-files' own `model` (scripts/published_reference.py detector-manifest). Fast but for the end-to-end run:
-configs are loaded and models built on the meta device.
+files' own `model` (scripts/published_reference.py detector-manifest), and the momentum detector of
+detector-v1m2-pt-v3m2-ft-pid-dec.py ("v1m2-pid-dec.py:N"; with and without its IoU head). Fast but for the
+end-to-end run: configs are loaded and models built on the meta device.
 """
 
 import json
@@ -27,8 +28,8 @@ SCALE = 768.0 * math.sqrt(3.0) / 2.0  # NormalizeCoord's scale, pid-dec.py:143, 
 PIMM_MODEL_KEYS = {"grid_size", "grid_origin"}  # pimm's: the published grid_coord in detector units
 
 
-def recipe(name: str) -> dict:
-    return load_config(REPO / "configs" / "panda" / "panseg" / f"detector-v1m1-pt-v3m2-ft-{name}.py")
+def recipe(name: str, version: str = "v1m1") -> dict:
+    return load_config(REPO / "configs" / "panda" / "panseg" / f"detector-{version}-pt-v3m2-ft-{name}.py")
 
 
 def plain(value):
@@ -138,7 +139,10 @@ def published_lr_and_decay(name: str, model: torch.nn.Module) -> dict[str, tuple
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_param_groups_give_every_parameter_the_published_lr_and_weight_decay(name):
-    cfg = recipe(name)
+    check_param_groups(recipe(name), name)
+
+
+def check_param_groups(cfg: dict, name: str) -> None:
     with torch.device("meta"):
         model = build_model(cfg["model"])
     expected = published_lr_and_decay(name, model)
@@ -158,6 +162,64 @@ def test_param_groups_give_every_parameter_the_published_lr_and_weight_decay(nam
     for group in optimizer.param_groups:
         assert group["max_lr"] == pytest.approx(cfg["optimizer"]["lr"] * group["lr_scale"], rel=1e-12)
         assert group["initial_lr"] == pytest.approx(group["max_lr"] / 10.0)
+
+
+PID_KINDS = ("dec", "fft", "scratch")
+MOMENTUM = {"type": "MomentumTransform", "keys": ["momentum"]}  # v1m2-pid-dec.py:147, 164; v1m2-pid-fft.py:158, 175
+
+
+@pytest.mark.parametrize("kind", PID_KINDS)
+def test_each_momentum_recipe_is_a_valid_config_with_the_published_values(kind):
+    """The v1m2 pid files equal the v1m1 ones but for the model type, train_filter_use_gt and predict_iou (dec),
+    iou_loss_weight (dec) and MomentumTransform: TABLE's values hold for them as for v1m1's."""
+    name = f"pid-{kind}"
+    cfg = recipe(name, "v1m2")
+    check_config(cfg)
+    for path, expected in TABLE:
+        value = lookup(cfg, path)
+        if isinstance(expected[name], float):
+            assert value == pytest.approx(expected[name], rel=1e-12), (path, value)
+        else:
+            assert plain(value) == expected[name], (path, value)
+    # dec: v1m2-pid-dec.py:89-107 (iou_loss_weight=1.0, :100); fft and scratch: v1m1's (v1m2-pid-fft.py:89-105)
+    criteria = MANIFEST["v1m2-pid-dec" if kind == "dec" else "pid-dec"]["config"]["criteria"]
+    assert plain(task_loss(cfg)) == criteria
+    assert panoptic_loss_weights(task_loss(cfg)).get("iou") == (1.0 if kind == "dec" else None)
+    transforms = {split: plain(cfg["data"][split]["transforms"]) for split in ("train", "val", "test")}
+    grid = {"type": "GridSample", "grid_size": pytest.approx(0.001 * SCALE), "mode": "random",
+            "return_grid_coord": True}
+    assert transforms["val"] == transforms["test"] == [MOMENTUM, grid]  # test_transform, v1m2-pid-dec.py:161-173
+    assert transforms["train"][:2] == [MOMENTUM, grid] and [t["type"] for t in transforms["train"][2:]] == [
+        "RandomRotate", "RandomRotate", "RandomRotate", "RandomFlip"]  # v1m2-pid-dec.py:144-160
+    assert transforms["train"][2:] == plain(recipe(name)["data"]["train"]["transforms"][1:])
+
+
+@pytest.mark.parametrize("kind", PID_KINDS)
+def test_the_momentum_model_is_the_published_one_name_for_name(kind):
+    """The v1m2 recipe's model is the published file's `model` (fft: v1m2-pid-fft.py:32 train_filter_use_gt=False,
+    :64 freeze_encoder=False, no predict_iou (:34 in dec), v1m1's criteria) and pimm's detector-v1m2 built from it
+    has the published state_dict, decoder.momentum_regressor.backbone.fc{1,2} included; with predict_iou=True
+    also decoder.iou_pred.mlp.fc{1,2}."""
+    model_cfg = recipe(f"pid-{kind}", "v1m2")["model"]
+    published = dict(MANIFEST["v1m2-pid-dec"]["config"])
+    if kind != "dec":
+        published.pop("predict_iou")
+        published.update(train_filter_use_gt=False, criteria=MANIFEST["pid-dec"]["config"]["criteria"],
+                         backbone={**published["backbone"], "freeze_encoder": False})
+    assert set(model_cfg) - set(published) == PIMM_MODEL_KEYS
+    assert plain({k: model_cfg[k] for k in published}) == published
+    for changes, reference in (({}, "v1m2-pid-dec"), ({"predict_iou": True}, "v1m2-pid-dec-iou")):
+        with torch.device("meta"):
+            model = build_model({**model_cfg, **changes})
+        ours = {k: [list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in model.state_dict().items()}
+        assert ours == MANIFEST[reference]["state_dict"]
+    assert "decoder.momentum_regressor.backbone.fc1.weight" in ours and "decoder.iou_pred.mlp.fc2.bias" in ours
+
+
+@pytest.mark.parametrize("kind", PID_KINDS)
+def test_momentum_param_groups_are_the_published_ones(kind):
+    """The v1m2 pid files' param_dicts and weight-decay rule are the v1m1 files' (v1m2-pid-dec.py:110-140)."""
+    check_param_groups(recipe(f"pid-{kind}", "v1m2"), f"pid-{kind}")
 
 
 def test_the_decoder_positions_are_the_feature_coordinates_as_the_published_point_coord(monkeypatch):

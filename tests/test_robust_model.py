@@ -58,7 +58,7 @@ def test_an_unknown_model_option_in_a_config_file_is_named_with_the_closest_one(
 
 # the published models with a backbone dict have their own tests (below, test_published_detector, test_pretraining)
 @pytest.mark.parametrize("model_type", [m for m in names.MODELS
-                                        if m not in ("DefaultSegmentorV2", "detector-v1m1", "Sonata-v1m1")])
+                                        if m not in ("DefaultSegmentorV2", *names.DETECTORS, "Sonata-v1m1")])
 def test_every_registered_model_checks_every_argument(model_type):
     """The option table is the constructor's signature; the defaults pass it and read the data's
     features; a value of the wrong type or range for any option is refused naming it."""

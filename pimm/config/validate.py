@@ -331,8 +331,8 @@ def check_config(cfg: dict) -> None:
         if model["type"] == "Sonata-v1m1":
             raise ConfigError("model.type='Sonata-v1m1' is trained by self-distillation: set "
                               "task = dict(_delete_=True, type='SelfDistillation')")
-        if model["type"] == "detector-v1m1":
-            raise ConfigError("model.type='detector-v1m1' (a query detector) is trained by the Panoptic task: set "
+        if model["type"] in names.DETECTORS:
+            raise ConfigError(f"model.type={model['type']!r} (a query detector) is trained by the Panoptic task: set "
                               "task=dict(type='Panoptic', label='particle' or 'interaction')")
         unknown = sorted(set(task) - {"type", "class_weights", "ignore_index", "best_metric", "loss"})
         if unknown:
@@ -472,8 +472,8 @@ def check_panoptic(cfg: dict) -> None:
     _check_component_options(task, PANOPTIC_OPTIONS, "task")
     if "label" not in task:
         raise ConfigError("task.label is required for Panoptic: 'particle' (particles as instances) or 'interaction'")
-    if model["type"] != "detector-v1m1":
-        raise ConfigError(f"task.type='Panoptic' needs the query detector: model.type='detector-v1m1' (got "
+    if model["type"] not in names.DETECTORS:
+        raise ConfigError(f"task.type='Panoptic' needs a query detector: model.type one of {names.DETECTORS} (got "
                           f"{model['type']!r}); see configs/tests/tiny_panoptic.py")
     classes = 2 if task["label"] == "interaction" else data["num_classes"]
     bad = [c for c in task.get("stuff_classes") or () if c >= classes]
@@ -718,6 +718,10 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
         "probe_classes": integer(0, " (pimm's online linear probe: data.num_classes, or 0 for none)"),
     },
 }
+# the published momentum detector (pimm.models.detector.MomentumDetector): detector-v1m1's arguments and predict_iou
+# (detector_v1m2_momentum.py:1132); not pimm's momentum_head, as the published momentum regressor is always built
+MODEL_OPTIONS["detector-v1m2"] = {**{k: v for k, v in MODEL_OPTIONS["detector-v1m1"].items() if k != "momentum_head"},
+                                  "predict_iou": BOOL}
 
 
 _ORDERS = names.SERIALIZATION_ORDERS
@@ -807,7 +811,7 @@ def check_model(model: dict) -> None:
         _check_point_transformer_stages(model)
     if model["type"] == "DefaultSegmentorV2":
         _check_backbone(model.get("backbone"), "model.backbone")
-    if model["type"] == "detector-v1m1":
+    if model["type"] in names.DETECTORS:
         _check_detector(model)
     if model["type"] == "Sonata-v1m1":
         _check_sonata(model)
@@ -915,6 +919,8 @@ TRANSFORM_ARGUMENTS: dict[str, dict[str, Rule]] = {
     "LogEnergy": {"scale": optional(number(0, strict=True), "the dataset's energy_scale")},
     "RandomCrop": {"max_points": integer(1)},
     "CenterShift": {},
+    "MomentumTransform": {"keys": Rule("a list of per-point target names (e.g. ['momentum'])", lambda v: isinstance(
+        v, (list, tuple)) and all(isinstance(k, str) for k in v))},
 }
 # transforms after which the coordinates (or energies) are not the ones NormalizeCoord (LogEnergy) saw
 _MOVES_COORD = ("RandomRotate", "RandomFlip", "Jitter", "RandomScale", "CenterShift")

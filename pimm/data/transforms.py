@@ -201,8 +201,23 @@ class CenterShift(Transform):
         return {**event, **{key: (event[key].astype(np.float64) + shift).astype(np.float32) for key in _moving(event)}}
 
 
+class MomentumTransform(Transform):
+    """Each of `keys` (per-point targets; absent ones are skipped): positive values p become log10(p), the
+    others stay as they are. The published transform of the same name (pimm/datasets/transform.py:224-234),
+    which the detector-v1m2 recipes put in front of their momentum regression: the model learns log10 p."""
+
+    def __call__(self, event, rng, context):
+        out = dict(event)
+        for key in self.arguments["keys"]:
+            if key in event:
+                value = event[key]
+                log = np.log10(np.clip(value, 1e-6, None))
+                out[key] = np.where(value > 0, log, value).astype(value.dtype)
+        return out
+
+
 _CLASSES = {cls.__name__: cls for cls in (RandomRotate, RandomFlip, Jitter, RandomScale, GridSample, NormalizeCoord,
-                                          LogEnergy, RandomCrop, CenterShift)}
+                                          LogEnergy, RandomCrop, CenterShift, MomentumTransform)}
 assert tuple(_CLASSES) == tuple(names.TRANSFORMS), "pimm.names.TRANSFORMS and the transform classes differ"
 assert {n for n, c in _CLASSES.items() if c.random} == set(names.RANDOM_TRANSFORMS)
 

@@ -54,6 +54,7 @@ from pimm.files import write_atomic
 from pimm.json_io import dumps
 from pimm.models import DetectorOutput, build_model
 from pimm.models.sparse_conv import apply_backends
+from pimm.names import DETECTORS
 from pimm.signals import die_with_parent, loader_workers_forked
 from pimm.tasks import build_task
 
@@ -134,12 +135,12 @@ def prediction_writer(path: Path, dataset, classes: tuple[int, list[str]], split
     """(PredictionWriter of this rank's part, on_batch callback adding each batch's events to it);
     `classes`: (number, names) of the model's classes (pimm.config.validate.model_classes). Without
     labels (`pimm predict`) the file has no `segment`. Parts are written uncompressed: rank 0's merge
-    reads them once and compresses the merged file. A query detector (`model_cfg` of type detector-v1m1,
+    reads them once and compresses the merged file. A query detector (`model_cfg` of a names.DETECTORS type,
     its output a DetectorOutput) writes per point its instance, class and score, and per event its
     instances (`instance_table`); with labels (`task`: its Panoptic task) also the true class and instance."""
     num_classes, names = classes
     sources, locate = prediction_sources(dataset)
-    detector = (model_cfg or {}).get("type") == "detector-v1m1"
+    detector = (model_cfg or {}).get("type") in DETECTORS
     writer = PredictionWriter(path, num_classes=num_classes, class_names=names, split=split, sources=sources,
                               save_scores=save_scores and not detector, has_labels=has_labels, attrs=attrs,
                               compress=False, has_instances=detector)

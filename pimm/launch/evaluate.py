@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pimm import names
 from pimm.checkpoint.choose import HeldWeights, default_checkpoint, hold_weights, recorded_weights
 from pimm.checkpoint.weights import check_weights_fit
 from pimm.config import apply_overrides, dump_config, parse_overrides, read_run_config
@@ -71,7 +72,7 @@ def prepare_test(run_dir: Path, split: str = "test", checkpoint: str | None = No
     plan_batches({**cfg, "batch_size": nproc, "grad_accum_steps": 1, "batch_size_val": None}, nproc)
     if save_scores and not save_predictions:
         raise PimmError("--save-scores adds the scores to the predictions file: give --save-predictions too")
-    if save_scores and cfg["model"]["type"] == "detector-v1m1":
+    if save_scores and cfg["model"]["type"] in names.DETECTORS:
         raise PimmError(SCORES_OF_A_DETECTOR)
     which = checkpoint or default_checkpoint(run_dir)
     recorded_weights(run_dir, which)  # names what is available when there is no such checkpoint

@@ -14,6 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from pimm import names
 from pimm.checkpoint.choose import default_checkpoint, recorded_weights
 from pimm.checkpoint.layout import sha256_file
 from pimm.checkpoint.weights import EXPORTED_CONFIG, EXPORTED_WEIGHTS, PUBLISHED_WEIGHTS, check_weights_fit
@@ -143,7 +144,7 @@ def prepare_predict(args: PredictRequest) -> tuple[dict, Path, Path, Path | None
     if source["model"].get("type") == "Sonata-v1m1":
         raise PimmError(f"--weights {args.weights} is a self-distillation run (Sonata-v1m1): it predicts no classes. "
                         "Export its encoder (pimm export --layout published) and fine-tune it, then predict with that")
-    if args.save_scores and source["model"].get("type") == "detector-v1m1":
+    if args.save_scores and source["model"].get("type") in names.DETECTORS:
         raise PimmError(SCORES_OF_A_DETECTOR)
     if source["run_dir"] is None:  # an export: nothing rewrites it
         check_weights_fit(source["weights"], source["model"])

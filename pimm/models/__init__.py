@@ -1,6 +1,6 @@
 """Point-cloud models, built from config dicts through `MODELS`."""
 
-from pimm.models.detector import Detector, DetectorOutput
+from pimm.models.detector import Detector, DetectorOutput, MomentumDetector
 from pimm.models.point_seg_net import Block, PointSegNet
 from pimm.models.point_transformer import PointTransformer, TransformerBlock
 from pimm.models.point_transformer_v3m2 import DefaultSegmentorV2, PointTransformerV3
@@ -12,6 +12,7 @@ MODELS.register(PointSegNet)
 MODELS.register(PointTransformer)
 MODELS.register(DefaultSegmentorV2)
 MODELS.register(Detector, name="detector-v1m1")
+MODELS.register(MomentumDetector, name="detector-v1m2")
 MODELS.register(Sonata, name="Sonata-v1m1")
 
 
@@ -20,6 +21,6 @@ def build_model(cfg: dict):
     return MODELS.build(cfg)
 
 
-__all__ = ["MODELS", "Block", "DefaultSegmentorV2", "Detector", "DetectorOutput", "PointSegNet", "PointTransformer",
-           "PointTransformerV3",
+__all__ = ["MODELS", "Block", "DefaultSegmentorV2", "Detector", "DetectorOutput", "MomentumDetector", "PointSegNet",
+           "PointTransformer", "PointTransformerV3",
            "TransformerBlock", "build_model"]

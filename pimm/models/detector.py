@@ -1,4 +1,5 @@
-"""The published query detector ("detector-v1m1"): a backbone's per-point features read by learned queries.
+"""The published query detectors ("detector-v1m1", "detector-v1m2"): a backbone's per-point features read by learned
+queries.
 
 `model = dict(type="detector-v1m1", num_classes=..., full_in_channels=..., backbone=dict(type="PT-v3m2", ...),
 ...)` is the published config, pasted as it is (DeepLearnPhysics/pimm configs/panda/panseg/
@@ -15,6 +16,13 @@ Mask logits are computed per voxel and given to every point of that voxel; voxel
 -1e4. In eval mode the output also holds each event's post-processed instances (thresholds from the
 config, published names: conf_threshold, mask_threshold, stuff_threshold, nms_sigma, min_points).
 
+`model = dict(type="detector-v1m2", ..., predict_iou=False)` is the published momentum detector
+(pimm/models/panda_detector/detector_v1m2_momentum.py, recipes detector-v1m2-pt-v3m2-ft-pid-*.py): the same model
+plus the published momentum regressor (decoder.momentum_regressor: an MLP of each query and its class logits ->
+one value, log10 p with the recipes' MomentumTransform) and, with predict_iou, the IoU head (decoder.iou_pred: the
+sigmoid of an MLP of each query), whose prediction multiplies each query's post-processing score. pimm's own
+momentum_head (detector-v1m1) is not an option of detector-v1m2.
+
 What pimm does differently: an event whose every voxel is predicted stuff keeps its most thing-like voxel
 (published: an assertion error); attention-mask annealing, nms_pre and nms_max are
 refused at any value but the published recipes' (off); dropout and drop_path in the decoder likewise (0).
@@ -22,6 +30,8 @@ refused at any value but the published recipes' (off); dropout and drop_path in 
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +42,6 @@ from pimm.models.point_seg_net import cluster_mean
 from pimm.models.point_transformer_v3m2 import PointTransformerV3, grid_sample, point_features
 from pimm.models.query_detector import (
     PADDING_BIAS,
-    BatchLayerPrediction,
     DecoderOutput,
     EventInstances,
     EventPrediction,
@@ -82,26 +91,31 @@ class Detector(nn.Module):
         super().__init__()
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         check_model_arguments("detector-v1m1", arguments)
-        stuff_classes = list(stuff_classes or [])
-        self.backbone = PointTransformerV3(**{k: v for k, v in backbone.items() if k != "type"})
-        self.decoder = QueryDetector(full_in_channels, num_classes, num_queries=num_queries,
-                                     hidden_channels=hidden_channels, num_heads=num_heads, depth=depth,
-                                     mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, point_position=pos_emb,
-                                     mlp_point_proj=mlp_point_proj, momentum_head=momentum_head,
-                                     vertex_head=vertex_head)
-        if use_stuff_head:  # detector_v1m1.py:684-689, named as published: decoder.stuff_head.{0,2}
+        self._build(arguments)
+
+    def _build(self, a: dict, momentum_regressor: bool = False, predict_iou: bool = False) -> None:
+        """The modules and settings from the checked constructor arguments `a`."""
+        hidden_channels, full_in_channels = a["hidden_channels"], a["full_in_channels"]
+        self.backbone = PointTransformerV3(**{k: v for k, v in a["backbone"].items() if k != "type"})
+        self.decoder = QueryDetector(full_in_channels, a["num_classes"], num_queries=a["num_queries"],
+                                     hidden_channels=hidden_channels, num_heads=a["num_heads"], depth=a["depth"],
+                                     mlp_ratio=a["mlp_ratio"], qkv_bias=a["qkv_bias"], point_position=a["pos_emb"],
+                                     mlp_point_proj=a["mlp_point_proj"], momentum_head=a.get("momentum_head", False),
+                                     vertex_head=a["vertex_head"], momentum_regressor=momentum_regressor,
+                                     predict_iou=predict_iou)
+        if a["use_stuff_head"]:  # detector_v1m1.py:684-689, named as published: decoder.stuff_head.{0,2}
             self.decoder.stuff_head = nn.Sequential(nn.Linear(full_in_channels, hidden_channels), nn.ReLU(),
                                                     nn.Linear(hidden_channels, 1))
-        self.num_classes = int(num_classes)
-        self.stuff_classes = tuple(int(c) for c in stuff_classes)
-        self.use_stuff_head = bool(use_stuff_head)
-        self.train_filter_use_gt = bool(train_filter_use_gt)
-        self.criteria = criteria  # the published losses: pimm's task computes them (task.loss)
-        self.postprocess = dict(score_threshold=float(conf_threshold), mask_threshold=float(mask_threshold),
-                                min_points=int(min_points), nms_sigma=float(nms_sigma),
-                                stuff_classes=self.stuff_classes, fill_uncovered=bool(fill_uncovered))
-        self.stuff_threshold = float(stuff_threshold)
-        self.grid_size, self.grid_origin = float(grid_size), float(grid_origin)
+        self.num_classes = int(a["num_classes"])
+        self.stuff_classes = tuple(int(c) for c in a["stuff_classes"] or [])
+        self.use_stuff_head = bool(a["use_stuff_head"])
+        self.train_filter_use_gt = bool(a["train_filter_use_gt"])
+        self.criteria = a["criteria"]  # the published losses: pimm's task computes them (task.loss)
+        self.postprocess = dict(score_threshold=float(a["conf_threshold"]), mask_threshold=float(a["mask_threshold"]),
+                                min_points=int(a["min_points"]), nms_sigma=float(a["nms_sigma"]),
+                                stuff_classes=self.stuff_classes, fill_uncovered=bool(a["fill_uncovered"]))
+        self.stuff_threshold = float(a["stuff_threshold"])
+        self.grid_size, self.grid_origin = float(a["grid_size"]), float(a["grid_origin"])
 
     def forward(self, coord: torch.Tensor, feat: torch.Tensor, offset: torch.Tensor,
                 event_id: torch.Tensor | None = None, segment: torch.Tensor | None = None) -> DetectorOutput:
@@ -161,8 +175,7 @@ class Detector(nn.Module):
             padded = torch.cat([mask_logits, mask_logits.new_full((*mask_logits.shape[:2], 1), PADDING_BIAS)], -1)
             return padded.gather(2, point_column.unsqueeze(1).expand(-1, padded.shape[1], -1))
 
-        layers = [BatchLayerPrediction(layer.class_logits, to_points(layer.mask_logits), layer.momentum, layer.vertex)
-                  for layer in decoded.layers]
+        layers = [dataclasses.replace(layer, mask_logits=to_points(layer.mask_logits)) for layer in decoded.layers]
         return DecoderOutput(layers, point_counts.tolist())
 
     @torch.no_grad()
@@ -178,7 +191,7 @@ class Detector(nn.Module):
                 stuff_prob = output.stuff_logits[start:start + size].float().sigmoid()
                 stuff = stuff_prob >= self.stuff_threshold
             found = instances_from_queries(layer.class_logits, layer.mask_logits, **self.postprocess,
-                                           thing=None if stuff is None else ~stuff)
+                                           thing=None if stuff is None else ~stuff, predicted_iou=layer.iou)
             if stuff is not None:
                 found.instance[stuff] = -1
                 found.point_class[stuff] = self.stuff_classes[0]
@@ -186,3 +199,20 @@ class Detector(nn.Module):
             start += size
             result.append(found)
         return result
+
+
+# the detector-v1m1 constructor's defaults, which detector-v1m2 shares
+_DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(Detector.__init__).parameters.items()
+             if parameter.default is not inspect.Parameter.empty}
+
+
+class MomentumDetector(Detector):
+    """The published momentum detector, "detector-v1m2" (module docstring): Detector's arguments but momentum_head,
+    plus predict_iou (detector_v1m2_momentum.py:1132), its defaults the published class's."""
+
+    def __init__(self, num_classes: int, full_in_channels: int, predict_iou: bool = False, **options) -> None:
+        nn.Module.__init__(self)
+        arguments = {**{k: v for k, v in _DEFAULTS.items() if k != "momentum_head"}, **options,
+                     "num_classes": num_classes, "full_in_channels": full_in_channels, "predict_iou": predict_iou}
+        check_model_arguments("detector-v1m2", arguments)
+        self._build(arguments, momentum_regressor=True, predict_iou=bool(predict_iou))

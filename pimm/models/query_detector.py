@@ -9,13 +9,15 @@ points, to each other, and pass an FFN (pre-norm). The class logits (num_classes
 no-object) come from the queries the layer puts out.
 
 Published: DeepLearnPhysics/pimm pimm/models/panda_detector/detector_v1m1.py (decoder, blocks, queries)
-and detector_v1m2_momentum.py (momentum head); the defaults are configs/panda/panseg/
+and detector_v1m2_momentum.py (its momentum regressor and IoU head, named as published: momentum_regressor.backbone,
+iou_pred.mlp); the defaults are configs/panda/panseg/
 detector-v1m1-pt-v3m2-ft-pid-dec.py. Parameter names follow the published decoder's (query_feat,
 query_embed, pos_emb.{0,2}, blocks.i.{norm1,norm2,norm3,norm_kv,cross_attn,self_attn,mlp,mask_mlp,anneal_progress},
 final_norm, cls_pred, full_point_proj), so published decoder weights map by prefix.
 What pimm does differently: events are padded to one batch instead of flash-attn varlen (the same
 arithmetic); no stuff head (the published pid recipe filters "stuff" points with a point classifier
-before the decoder); the vertex head is pimm's (nothing is published for it).
+before the decoder); the vertex head is pimm's (nothing is published for it), and so is momentum_head, the
+published regressor under pimm's earlier name (detector-v1m1 checkpoints keep it; detector-v1m2 has momentum_regressor).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class LayerPrediction:
     mask_logits: torch.Tensor  # (Q, N_event)
     momentum: torch.Tensor | None = None  # (Q,)
     vertex: torch.Tensor | None = None  # (Q, 3)
+    iou: torch.Tensor | None = None  # (Q,) the predicted IoU of each query's mask with its instance, in [0, 1]
 
 
 @dataclass
@@ -62,12 +65,14 @@ class BatchLayerPrediction:
     mask_logits: torch.Tensor  # (B, Q, P): event b's points are its first counts[b] columns
     momentum: torch.Tensor | None = None  # (B, Q)
     vertex: torch.Tensor | None = None  # (B, Q, 3)
+    iou: torch.Tensor | None = None  # (B, Q)
 
     def event(self, b: int, num_points: int) -> LayerPrediction:
         """Event b's predictions over its own points (views, no copy)."""
         return LayerPrediction(self.class_logits[b], self.mask_logits[b, :, :num_points],
                                None if self.momentum is None else self.momentum[b],
-                               None if self.vertex is None else self.vertex[b])
+                               None if self.vertex is None else self.vertex[b],
+                               None if self.iou is None else self.iou[b])
 
 
 @dataclass
@@ -107,7 +112,7 @@ class DecoderOutput:
             for b, mask in enumerate(masks):
                 padded[b, :, :mask.shape[1]] = mask
             layers.append(BatchLayerPrediction(stack("class_logits", layer), padded, stack("momentum", layer),
-                                               stack("vertex", layer)))
+                                               stack("vertex", layer), stack("iou", layer)))
         return cls(layers, counts)
 
 
@@ -122,6 +127,30 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
+
+
+class MomentumRegressor(nn.Module):
+    """The published momentum head (detector_v1m2_momentum.py:26-45): an MLP on a query and its class logits
+    without no-object -> one value per query (log10 p when the recipe's MomentumTransform made the targets so)."""
+
+    def __init__(self, hidden_channels: int, num_classes: int) -> None:
+        super().__init__()
+        self.backbone = MLP(hidden_channels + num_classes, hidden_channels, 1)
+
+    def forward(self, q: torch.Tensor, class_logits: torch.Tensor) -> torch.Tensor:
+        return self.backbone(torch.cat([q, class_logits[..., :-1]], -1)).squeeze(-1)
+
+
+class IoUPredictor(nn.Module):
+    """The published mask-quality head (detector_v1m2_momentum.py:48-66): an MLP on a query -> the sigmoid, its
+    predicted IoU with the instance it is matched to."""
+
+    def __init__(self, hidden_channels: int) -> None:
+        super().__init__()
+        self.mlp = MLP(hidden_channels, hidden_channels, 1)
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return self.mlp(q).squeeze(-1).sigmoid()
 
 
 def multi_head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
@@ -221,8 +250,10 @@ class QueryDetector(nn.Module):
         qkv_bias: bool = True,  # pid-dec.py:72
         point_position: bool = True,  # pid-dec.py:82 pos_emb=True: an MLP of each point's coordinates
         mlp_point_proj: bool = True,  # pid-dec.py:67: MLPs (not Linears) for the point projection and classes
-        momentum_head: bool = False,  # detector_v1m2_momentum.py:26 MomentumRegressor
+        momentum_head: bool = False,  # pimm's name for the published MomentumRegressor (detector-v1m1 checkpoints)
         vertex_head: bool = False,  # pimm's: nothing published
+        momentum_regressor: bool = False,  # detector_v1m2_momentum.py:728, as published: momentum_regressor.backbone
+        predict_iou: bool = False,  # detector_v1m2_momentum.py:731-733: iou_pred.mlp
     ) -> None:
         super().__init__()
         if hidden_channels % num_heads:
@@ -230,6 +261,9 @@ class QueryDetector(nn.Module):
                              "choose num_heads that divides it")
         if num_queries < 1 or depth < 1:
             raise ValueError(f"num_queries={num_queries} and depth={depth} must both be at least 1")
+        if momentum_head and momentum_regressor:
+            raise ValueError("momentum_head and momentum_regressor are the same head under two names (pimm's and the "
+                             "published); build the decoder with one of them")
         self.num_classes = num_classes
         self.query_feat = nn.Embedding(num_queries, hidden_channels)
         self.query_embed = nn.Embedding(num_queries, hidden_channels)  # the queries' learned positional part
@@ -246,6 +280,8 @@ class QueryDetector(nn.Module):
         # the published regressor reads the query and its class logits (no-object left out)
         self.momentum_head = MLP(hidden_channels + num_classes, hidden_channels, 1) if momentum_head else None
         self.vertex_head = MLP(hidden_channels, hidden_channels, 3) if vertex_head else None
+        self.momentum_regressor = MomentumRegressor(hidden_channels, num_classes) if momentum_regressor else None
+        self.iou_pred = IoUPredictor(hidden_channels) if predict_iou else None
         self.apply(_init_linear)
 
     def forward(self, feat: torch.Tensor, offset: torch.Tensor, coord: torch.Tensor | None = None) -> DecoderOutput:
@@ -274,10 +310,14 @@ class QueryDetector(nn.Module):
     def _heads(self, q: torch.Tensor, mask_logits: torch.Tensor) -> BatchLayerPrediction:
         q = self.final_norm(q)
         class_logits = self.cls_pred(q)
-        momentum = (self.momentum_head(torch.cat([q, class_logits[..., :-1]], -1)).squeeze(-1)
-                    if self.momentum_head is not None else None)
+        momentum = None
+        if self.momentum_head is not None:
+            momentum = self.momentum_head(torch.cat([q, class_logits[..., :-1]], -1)).squeeze(-1)
+        if self.momentum_regressor is not None:
+            momentum = self.momentum_regressor(q, class_logits)
         vertex = self.vertex_head(q) if self.vertex_head is not None else None
-        return BatchLayerPrediction(class_logits, mask_logits, momentum, vertex)
+        iou = self.iou_pred(q) if self.iou_pred is not None else None
+        return BatchLayerPrediction(class_logits, mask_logits, momentum, vertex, iou)
 
 
 def _init_linear(module: nn.Module) -> None:
@@ -326,6 +366,7 @@ def instances_from_queries(
     stuff_classes: tuple[int, ...] = (),
     thing: torch.Tensor | None = None,
     fill_uncovered: bool = False,  # detector_v1m1.py:1076
+    predicted_iou: torch.Tensor | None = None,
 ) -> EventInstances:
     """One event's queries (class_logits (Q, K+1), mask_logits (Q, N)) -> per point instance, class, score.
 
@@ -337,7 +378,8 @@ def instances_from_queries(
     the points of its mask that no better instance took, if at least min_points remain. `thing` (N,) bool
     (the points the stuff head calls things) limits every mask before any of this. With fill_uncovered, the
     candidates then, in decreasing score before NMS, each make one more instance of the points of their mask
-    still untaken, if at least min_points (postprocess.py: fill_uncovered).
+    still untaken, if at least min_points (postprocess.py: fill_uncovered). `predicted_iou` (Q,) (the IoU head's)
+    multiplies each candidate's score before NMS (postprocess.py:197-198).
     """
     num_classes = class_logits.shape[1] - 1
     num_points = mask_logits.shape[1]
@@ -353,6 +395,8 @@ def instances_from_queries(
     masks, label = masks[query], label[query]
     mask_score = (mask_prob[query] * masks).sum(1) / masks.sum(1).clamp(min=1)
     combined = class_prob[query] * mask_score
+    if predicted_iou is not None:
+        combined = combined * predicted_iou.float()[query]
     score = _matrix_nms(masks, label, combined, nms_sigma)
     order = torch.argsort(score, descending=True, stable=True)
     order = order[score[order] >= score_threshold]

@@ -1,4 +1,5 @@
-"""Panoptic segmentation: particles or interactions as instances, found by the query detector ("detector-v1m1").
+"""Panoptic segmentation: particles or interactions as instances, found by a query detector ("detector-v1m1", or
+"detector-v1m2" with the published momentum regressor and optional IoU head; names.DETECTORS).
 
 `task = dict(type="Panoptic", label="particle" | "interaction", ...)` with PILArNetDataset(instances=True):
 - label="particle": an instance is a particle (the `particle` target); its class is the points' semantic
@@ -14,7 +15,8 @@ Every term is per event and the batch's loss is the mean over its events, so the
 world size and accumulation. Matching points (only drawn for events above match_points points) come from a
 generator keyed by the event id. Validation and `pimm test` post-process each event (the model's thresholds)
 and score it with pimm.panoptic_metrics; every event is counted once across ranks (the accumulators are
-gathered).
+gathered). The momentum loss and metrics compare in the batch's `momentum` space: log10 p (MeV) where the
+split's transforms have MomentumTransform (the detector-v1m2 recipes), else p.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ gradients, then the loss terms of the matched pairs only; only the assignment it
 linear_sum_assignment) runs per event.
 What pimm does differently: an instance's class is its points' most common class (published: its first
 point's, the same for pure instances); an event without instances still teaches its queries
-no-object (published skips it); the vertex loss is pimm's.
+no-object (published skips it); the vertex loss is pimm's. The IoU term (detector-v1m2 with predict_iou,
+instance.py:377-419) is, as published, the mean squared error of each matched query's predicted IoU against the IoU
+of its mask (sigmoid > 0.5) with its instance's labelled points.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class DetectorLossWeights:
     class_no_object: float = 0.5  # pid-dec.py:97 cls_weight_noobj, the no-object (eos) weight
     momentum: float = 1.0  # pid-dec.py:98 momentum_loss_weight
     vertex: float = 1.0  # pimm's: nothing published
+    iou: float = 0.0  # instance.py:48 iou_loss_weight (detector-v1m2-pt-v3m2-ft-pid-dec.py:100 sets 1.0)
     focal_alpha: float = 0.25  # pid-dec.py:99
     focal_gamma: float = 2.0  # pid-dec.py:100
     aux: float = 1.0  # pid-dec.py:101 aux_loss_weight, for every layer before the last
@@ -245,8 +248,16 @@ def _layer_terms(layer: BatchLayerPrediction, truth: BatchTargets, weights: Dete
         error = F.smooth_l1_loss(layer.vertex[pair_event, pair_query].float(),
                                  truth.vertex[pair_event, pair_target], reduction="none")
         terms["vertex"] = (event_mean(error.mean(1)), matched)
+    if layer.iou is not None:
+        # instance.py:384-396: the matched mask (sigmoid > 0.5) over the labelled points against the instance's
+        # points, every labelled one (the stuff head's left-out points too: the instance misses them)
+        predicted = (logits[pair_event, pair_query] > 0) & (truth.instance[pair_event] >= 0)
+        instance = truth.masks[pair_event, pair_target]
+        overlap = (predicted * instance).sum(1)
+        iou = overlap / (predicted.sum(1) + instance.sum(1) - overlap + 1e-6)
+        terms["iou"] = (event_mean((layer.iou[pair_event, pair_query].float() - iou) ** 2), matched)
     loss = terms["class"][0]
-    for name in ("focal", "dice", "momentum", "vertex"):
+    for name in ("focal", "dice", "momentum", "vertex", "iou"):
         if name in terms:
             value, defined = terms[name]
             loss = loss + getattr(weights, name) * torch.where(defined, value, 0.0)
@@ -283,7 +294,7 @@ def detector_event_losses(output: DecoderOutput, targets: list[EventTargets],
 
     An event's loss is loss(last layer) + weights.aux * sum of loss(layer l) over earlier layers, each layer
     matched on its own (instance.py:88-110). Terms: the last layer's by name ("focal", "dice", "class",
-    "class_matched", "class_no_object", and "momentum", "vertex" where predicted and known), "aux{l}_{name}"
+    "class_matched", "class_no_object", and "momentum", "vertex", "iou" where predicted and known), "aux{l}_{name}"
     for layer l. `generators[b]` draws event b's matching points (only when it has more than match_points).
     """
     if len(output.counts) != len(targets) or not targets:
