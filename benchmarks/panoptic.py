@@ -1,7 +1,7 @@
 """Particles found by the query detector against DBSCAN on semantic classes, on generated PILArNet-M-layout
 events, both models trained here within a CPU budget and scored with pimm's panoptic metrics.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/panoptic.py [--seconds 240] [--events 200] [--test-events 50]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/panoptic.py [--seconds 240] [--events 200] [--test-events 50]
         [--points-per-event 4000] [--eps 1.9,4,8,12] [--timing-pairs N] [--out FILE]
 
 Events: `pimm data synth --layout pilarnet --revision v2` (1 to 3 interactions and the rain per image),

@@ -182,11 +182,14 @@ def _matching_cost(logits: torch.Tensor, class_logits: torch.Tensor, truth: Batc
     marks: cost_mask * mean focal loss + cost_dice * dice loss + cost_class * -log p(instance class)."""
     keep = keep.float()
     masks = truth.masks * keep.unsqueeze(1)  # (B, T, P)
-    positive, negative = _focal_terms(logits, weights.focal_alpha, weights.focal_gamma)
+    # the focal terms of _focal_terms with fewer passes over (B, Q, P): log(1 - p) = log p - logit
+    log_prob = F.logsigmoid(logits)
+    prob = log_prob.exp()
+    negative = prob.pow(weights.focal_gamma).mul_(log_prob - logits).mul_(weights.focal_alpha - 1)
+    positive = (1 - prob).pow_(weights.focal_gamma).mul_(log_prob).mul_(-weights.focal_alpha)
     points = keep.sum(1).clamp(min=1)[:, None, None]
     # mean over the kept points of positive where the instance is, negative elsewhere
-    focal = ((positive - negative) @ masks.transpose(1, 2) + negative @ keep.unsqueeze(2)) / points
-    prob = logits.sigmoid()
+    focal = (positive.sub_(negative) @ masks.transpose(1, 2) + negative @ keep.unsqueeze(2)) / points
     dice = 1 - (2 * prob @ masks.transpose(1, 2) + 1) / (prob @ keep.unsqueeze(2) + masks.sum(-1).unsqueeze(1) + 1)
     class_prob = class_logits[..., :-1].softmax(-1)
     target_class = truth.instance_class.unsqueeze(1).expand(-1, logits.shape[1], -1)
