@@ -112,9 +112,8 @@ def hungarian_match(class_logits: torch.Tensor, mask_logits: torch.Tensor, targe
     """class_logits (Q, K+1), mask_logits (Q, N), target_classes (T,), target_masks (T, N) bool over the
     points to match on -> (query indices, target indices), min(Q, T) pairs, target indices ascending.
 
-    Cost = cost_class * -log p(target class) (softmax without no-object, as matcher.py:223-224)
-    + cost_mask * mean sigmoid focal loss + cost_dice * dice loss, on match_points points drawn with
-    replacement (matcher.py:174-175) from `generator` (a CPU torch.Generator) when N is larger.
+    The cost is `matching_cost`'s, on match_points points drawn with replacement (matcher.py:174-175) from
+    `generator` (a CPU torch.Generator) when N is larger.
     """
     num_points = mask_logits.shape[1]
     if len(target_classes) == 0 or num_points == 0:
@@ -123,16 +122,9 @@ def hungarian_match(class_logits: torch.Tensor, mask_logits: torch.Tensor, targe
     if weights.match_points and num_points > weights.match_points:
         sample = torch.randint(num_points, (weights.match_points,), generator=generator).to(mask_logits.device)
         mask_logits, target_masks = mask_logits[:, sample], target_masks[:, sample]
-    logits = mask_logits.float()
-    target = target_masks.float()
-    positive, negative = _focal_terms(logits, weights.focal_alpha, weights.focal_gamma)
-    cost_focal = (positive @ target.T + negative @ (1 - target).T) / logits.shape[1]
-    prob = logits.sigmoid()
-    cost_dice = 1 - (2 * prob @ target.T + 1) / (prob.sum(1, keepdim=True) + target.sum(1) + 1)
-    class_prob = class_logits[:, :-1].float().softmax(-1)
-    cost_class = -torch.log(class_prob[:, target_classes] + 1e-8)
-    cost = weights.cost_mask * cost_focal + weights.cost_dice * cost_dice + weights.cost_class * cost_class
-    return assign_queries(cost.cpu().numpy())
+    cost = matching_cost(mask_logits.float()[None], class_logits.float()[None], target_masks.float()[None],
+                         target_classes[None], torch.ones_like(mask_logits[:1], dtype=torch.float), weights)
+    return assign_queries(cost[0].cpu().numpy())
 
 
 @dataclass
@@ -176,12 +168,15 @@ def batch_targets(targets: list[EventTargets], width: int) -> BatchTargets:
 EventTerm = tuple[torch.Tensor, torch.Tensor]
 
 
-def _matching_cost(logits: torch.Tensor, class_logits: torch.Tensor, truth: BatchTargets, keep: torch.Tensor,
-                   weights: DetectorLossWeights) -> torch.Tensor:
-    """(B, Q, T) Hungarian cost of every (query, instance) pair of every event over the points `keep` (B, P)
-    marks: cost_mask * mean focal loss + cost_dice * dice loss + cost_class * -log p(instance class)."""
+@torch.no_grad()
+def matching_cost(logits: torch.Tensor, class_logits: torch.Tensor, masks: torch.Tensor, instance_class: torch.Tensor,
+                  keep: torch.Tensor, weights: DetectorLossWeights) -> torch.Tensor:
+    """(B, Q, T) Hungarian cost of every (query, instance) pair of every event over the points `keep` (B, P),
+    from mask logits (B, Q, P), class logits (B, Q, K+1), instance masks (B, T, P) and classes (B, T):
+    cost_class * -log p(instance class) (softmax without no-object, as matcher.py:223-224) + cost_mask * mean
+    sigmoid focal loss + cost_dice * dice loss."""
     keep = keep.float()
-    masks = truth.masks * keep.unsqueeze(1)  # (B, T, P)
+    masks = masks * keep.unsqueeze(1)
     # the focal terms of _focal_terms with fewer passes over (B, Q, P): log(1 - p) = log p - logit
     log_prob = F.logsigmoid(logits)
     prob = log_prob.exp()
@@ -192,7 +187,7 @@ def _matching_cost(logits: torch.Tensor, class_logits: torch.Tensor, truth: Batc
     focal = (positive.sub_(negative) @ masks.transpose(1, 2) + negative @ keep.unsqueeze(2)) / points
     dice = 1 - (2 * prob @ masks.transpose(1, 2) + 1) / (prob @ keep.unsqueeze(2) + masks.sum(-1).unsqueeze(1) + 1)
     class_prob = class_logits[..., :-1].softmax(-1)
-    target_class = truth.instance_class.unsqueeze(1).expand(-1, logits.shape[1], -1)
+    target_class = instance_class.unsqueeze(1).expand(-1, logits.shape[1], -1)
     cost_class = -torch.log(class_prob.gather(2, target_class) + 1e-8)
     return weights.cost_mask * focal + weights.cost_dice * dice + weights.cost_class * cost_class
 
@@ -210,8 +205,7 @@ def _layer_terms(layer: BatchLayerPrediction, truth: BatchTargets, weights: Dete
     batch, num_queries, _ = logits.shape
     keep = (truth.instance >= 0) & (logits[:, 0] > PADDING_BIAS / 2)  # (B, P)
     class_logits = layer.class_logits.float()
-    with torch.no_grad():
-        cost = _matching_cost(logits, class_logits, truth, keep, weights)
+    cost = matching_cost(logits, class_logits, truth.masks, truth.instance_class, keep, weights)
     pairs = _match(layer, truth, keep, cost, weights, generators)
     pair_event, pair_query, pair_target = (torch.cat(side).to(logits.device) for side in zip(*pairs))
     num_pairs = torch.bincount(pair_event, minlength=batch)
