@@ -17,8 +17,10 @@ model = dict(
     num_queries=32,  # pid-dec.py:32; generated events hold up to ~30 particles
     full_in_channels=112,
     mlp_point_proj=True,
-    hidden_channels=64,
-    num_heads=4,
+    # near the published decoder's proportion: width 256 on 1232 encoder channels (pid-dec.py:66-69), a fifth;
+    # here the first width above a fifth of 112 in whole heads of 16 channels, the published head width (256 / 16)
+    hidden_channels=32,
+    num_heads=2,
     depth=2,
     qkv_bias=True,
     backbone=dict(

@@ -222,8 +222,8 @@ class DecoderLayer(nn.Module):
         points = self.norm_kv(points)
         mask_logits = torch.einsum("bqc,bpc->bqp", self.mask_mlp(q), points)
         # detached as published (detector_v1m1.py:447): the mask loss, not the attention, trains mask_mlp
-        bias = torch.log(mask_logits.detach().sigmoid() + ATTENTION_MASK_EPS)
-        bias = bias.masked_fill(padding.unsqueeze(1), PADDING_BIAS)
+        bias = mask_logits.detach().sigmoid().add_(ATTENTION_MASK_EPS).log_()
+        bias.masked_fill_(padding.unsqueeze(1), PADDING_BIAS)
         q_norm = self.norm1(q)
         q = q + self.cross_attn(q_norm + q_pos, points + point_pos, points, bias)
         q = q + self.self_attn(self.norm2(q), q_pos)
@@ -340,7 +340,8 @@ def padded_slots(counts: list[int], device: torch.device) -> tuple[torch.Tensor,
 
 def _pad_events(values: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """(N, C) packed by event -> (B, P, C), zeros after each event's points (one gather each way)."""
-    return torch.cat([values, values.new_zeros(1, values.shape[1])])[slot]
+    padded = torch.cat([values, values.new_zeros(1, values.shape[1])])
+    return padded.index_select(0, slot.flatten()).view(*slot.shape, values.shape[1])
 
 
 @dataclass
