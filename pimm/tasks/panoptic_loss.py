@@ -92,8 +92,9 @@ def event_targets(instance: torch.Tensor, point_class: torch.Tensor, momentum: t
 def _focal_terms(logits: torch.Tensor, alpha: float, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid focal loss of every logit against target 1 and against target 0."""
     prob = logits.sigmoid()
-    positive = alpha * (1 - prob) ** gamma * -F.logsigmoid(logits)  # binary cross-entropy against 1
-    negative = (1 - alpha) * prob**gamma * -F.logsigmoid(-logits)  # against 0
+    # binary cross-entropy against 1 and against 0: -log sigmoid(x) = softplus(-x) (faster on CPU than logsigmoid)
+    positive = alpha * (1 - prob) ** gamma * F.softplus(-logits)
+    negative = (1 - alpha) * prob**gamma * F.softplus(logits)
     return positive, negative
 
 
@@ -178,14 +179,20 @@ def matching_cost(logits: torch.Tensor, class_logits: torch.Tensor, masks: torch
     keep = keep.float()
     masks = masks * keep.unsqueeze(1)
     # the focal terms of _focal_terms with fewer passes over (B, Q, P): log(1 - p) = log p - logit
-    log_prob = F.logsigmoid(logits)
-    prob = log_prob.exp()
+    # log p as -softplus(-x) and p as sigmoid(x): on CPU logsigmoid is slower, and exp is slow where it underflows
+    # (PADDING_BIAS logits)
+    log_prob = F.softplus(-logits).neg_()
+    prob = logits.sigmoid()
     negative = prob.pow(weights.focal_gamma).mul_(log_prob - logits).mul_(weights.focal_alpha - 1)
     positive = (1 - prob).pow_(weights.focal_gamma).mul_(log_prob).mul_(-weights.focal_alpha)
     points = keep.sum(1).clamp(min=1)[:, None, None]
+
+    def over_kept(values: torch.Tensor) -> torch.Tensor:  # (B, Q, 1); not values @ keep: a slow batched mat-vec
+        return (values * keep.unsqueeze(1)).sum(-1, keepdim=True)
+
     # mean over the kept points of positive where the instance is, negative elsewhere
-    focal = (positive.sub_(negative) @ masks.transpose(1, 2) + negative @ keep.unsqueeze(2)) / points
-    dice = 1 - (2 * prob @ masks.transpose(1, 2) + 1) / (prob @ keep.unsqueeze(2) + masks.sum(-1).unsqueeze(1) + 1)
+    focal = (positive.sub_(negative) @ masks.transpose(1, 2) + over_kept(negative)) / points
+    dice = 1 - (2 * prob @ masks.transpose(1, 2) + 1) / (over_kept(prob) + masks.sum(-1).unsqueeze(1) + 1)
     class_prob = class_logits[..., :-1].softmax(-1)
     target_class = instance_class.unsqueeze(1).expand(-1, logits.shape[1], -1)
     cost_class = -torch.log(class_prob.gather(2, target_class) + 1e-8)
