@@ -15,7 +15,9 @@ torchrun starts in sessions of their own):
   rank (worker)         catches it (`StopRequest`): finishes its step, agrees with the other
                         ranks on the step, writes one complete checkpoint, waits until rank 0
                         has promoted it, then exits 75. A repeat within GRACE_S is the same
-                        request; a second signal later than that exits at once (76). Dies
+                        request; a second signal later than that exits at once (76). A rank
+                        that learned of the stop from another rank takes its own later signal
+                        as the same request too. Dies
                         with torchrun (parent-death SIGKILL) and then tells torchrun to stop
                         (so a signal that reached only the ranks is not taken for a failure
                         and restarted under --resources.max-restarts).
@@ -152,7 +154,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
-        self._first_at = 0.0
+        self._signalled_at: float | None = None  # when this process got its own first stop signal
         self._in_flight = None  # (flag tensor, async work) of the previous step
         self._group = None
 
@@ -161,12 +163,17 @@ class StopRequest:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame) -> None:
+        # Only this process's own signals count towards a second one: a rank that learned of the stop from
+        # another rank (`agreed`) still gets its own signal, later (Slurm and torchrun signal each node
+        # and rank at their own moment), and that is the same request, not a second one.
         now = time.monotonic()
-        if self.signal_name is not None and now - self._first_at > GRACE_S:
-            os._exit(EXIT_SECOND_SIGNAL)
+        if self._signalled_at is not None:
+            if now - self._signalled_at > GRACE_S:
+                os._exit(EXIT_SECOND_SIGNAL)
+            return
+        self._signalled_at = now
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
-            self._first_at = now
 
     def use_group(self, group) -> None:
         """The process group the flags travel on: a CPU (gloo) group of its own, so reading the

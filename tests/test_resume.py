@@ -154,6 +154,35 @@ def test_second_signal_exits_at_once():
     assert res.returncode == 76, res.stderr
 
 
+def test_a_rank_that_learned_of_the_stop_from_another_rank_takes_its_own_late_signal_as_the_same_request(
+        tmp_path):
+    """On several nodes the signal reaches each node at its own moment: a rank can agree to stop (a signal on
+    another rank) before its own signal comes, seconds into its checkpoint. That signal is its first, not a
+    second one: exiting at once (76) would kill the rank mid-checkpoint and lose the checkpoint of every rank."""
+    code = (
+        "import os, signal, sys, time\n"
+        "import torch.distributed as dist, torch.multiprocessing as mp\n"
+        "from pimm.signals import GRACE_S, StopRequest\n"
+        "def rank(r, path):\n"
+        "    dist.init_process_group('gloo', store=dist.FileStore(path, 2), rank=r, world_size=2)\n"
+        "    s = StopRequest(); s.install()\n"
+        "    if r == 1:\n"
+        "        os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1)\n"
+        "    assert s.agreed_now()\n"
+        "    if r == 0:\n"
+        "        assert s.signal_name == 'a signal on another rank', s.signal_name\n"
+        "        time.sleep(GRACE_S + 0.3)\n"
+        "        os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.2)  # its own signal, late\n"
+        "        print('rank 0 alive', flush=True)\n"
+        "    dist.barrier(); dist.destroy_process_group()\n"
+        "mp.start_processes(rank, args=(sys.argv[1],), nprocs=2, start_method='fork')\n"
+    )
+    store = tmp_path / "store"
+    res = subprocess.run([sys.executable, "-c", code, str(store)], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0 and "rank 0 alive" in res.stdout, res.stderr
+
+
 def test_sigkill_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, tiny_data, reference):
     res, run_dir = launch(tmp_path, tiny_data, 2, "checkpoint_every_n_steps=4", "save_iter_snapshots=true",
                           "debug.kill_during_checkpoint_at_step=8")
