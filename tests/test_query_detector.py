@@ -18,6 +18,8 @@ from pimm.tasks.panoptic_loss import (
     detector_loss,
     event_targets,
     hungarian_match,
+    MatchedMaskLosses,
+    matching_cost,
 )
 
 NUM_CLASSES = 3
@@ -108,6 +110,66 @@ def test_obvious_matching_and_near_zero_mask_loss():
     prediction = EventPrediction(final=LayerPrediction(class_logits, mask_logits), aux=[])
     _, terms = detector_loss(DecoderOutput.from_events([prediction]), [targets])
     assert terms["focal"] < 1e-6 and terms["dice"] < 1e-4 and terms["class"] < 1e-4
+
+
+def test_matching_cost_is_the_published_cost_of_each_pair_over_the_kept_points():
+    """Every (query, instance) cost against the matcher's formula written out for one pair at a time: the mean over
+    the kept points of the sigmoid focal loss, the dice loss, and -log of the class probability without no-object;
+    padding logits (-1e4) outside the kept points change nothing."""
+    g = torch.Generator().manual_seed(5)
+    num_events, num_queries, num_instances, num_points = 2, 5, 3, 40
+    weights = DetectorLossWeights(cost_class=0.7, cost_mask=1.3, cost_dice=0.9, focal_alpha=0.3, focal_gamma=2.0)
+    logits = 3 * torch.randn(num_events, num_queries, num_points, generator=g)
+    logits[1, :, 30:] = -1e4  # the second event has 30 points
+    keep = torch.rand(num_events, num_points, generator=g) < 0.8
+    keep[1, 30:] = False
+    instance = torch.randint(-1, num_instances, (num_events, num_points), generator=g)
+    keep &= instance >= 0
+    masks = (instance.unsqueeze(1) == torch.arange(num_instances).view(1, -1, 1)).float()
+    class_logits = torch.randn(num_events, num_queries, NUM_CLASSES + 1, generator=g)
+    instance_class = torch.randint(0, NUM_CLASSES, (num_events, num_instances), generator=g)
+    cost = matching_cost(logits, class_logits, masks, instance_class, keep, weights)
+    for b in range(num_events):
+        for q in range(num_queries):
+            x = logits[b, q, keep[b]].double()
+            p = x.sigmoid()
+            for t in range(num_instances):
+                y = masks[b, t, keep[b]].double()
+                p_true = p * y + (1 - p) * (1 - y)
+                alpha = weights.focal_alpha * y + (1 - weights.focal_alpha) * (1 - y)
+                focal = (alpha * (1 - p_true) ** 2 * -p_true.log()).mean()
+                dice = 1 - (2 * (p * y).sum() + 1) / (p.sum() + y.sum() + 1)
+                class_prob = class_logits[b, q, :NUM_CLASSES].double().softmax(0)[instance_class[b, t]]
+                expected = weights.cost_mask * focal + weights.cost_dice * dice - weights.cost_class * class_prob.log()
+                assert cost[b, q, t].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("gamma", [2.0, 1.5])
+def test_matched_mask_losses_and_their_gradient_are_autograd_s_of_the_formulas(gamma):
+    g = torch.Generator().manual_seed(9)
+    logits = (4 * torch.randn(6, 50, generator=g, dtype=torch.float64)).requires_grad_()
+    keep = (torch.rand(6, 50, generator=g) < 0.8).double()
+    keep[2, 35:] = 0
+    truth = (torch.rand(6, 50, generator=g) < 0.4).double() * keep
+    padded = logits.detach().clone()
+    padded[2, 35:] = -1e4  # points the decoder did not read: the padding logit, not kept
+    padded.requires_grad_()
+    alpha = 0.3
+    focal, dice = MatchedMaskLosses.apply(padded, truth, keep, alpha, gamma)
+    # the formulas through autograd, over the kept points only
+    p = logits.sigmoid()
+    p_true = p * truth + (1 - p) * (1 - truth)
+    weight = alpha * truth + (1 - alpha) * (1 - truth)
+    expected_focal = (weight * (1 - p_true) ** gamma * -p_true.log() * keep).sum(1) / keep.sum(1)
+    expected_dice = 1 - (2 * (p * truth).sum(1) + 1) / ((p * keep).sum(1) + truth.sum(1) + 1)
+    torch.testing.assert_close(focal, expected_focal)
+    torch.testing.assert_close(dice, expected_dice)
+    upstream = torch.randn(2, 6, generator=g, dtype=torch.float64)
+    (upstream[0] * focal + upstream[1] * dice).sum().backward()
+    (upstream[0] * expected_focal + upstream[1] * expected_dice).sum().backward()
+    assert padded.grad[2, 35:].abs().max() == 0
+    torch.testing.assert_close(padded.grad[keep > 0], logits.grad[keep > 0])
+    assert logits.grad[keep == 0].abs().max() == 0
 
 
 def test_matching_subsample_is_deterministic_given_the_generator():

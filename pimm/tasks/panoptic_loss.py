@@ -89,13 +89,54 @@ def event_targets(instance: torch.Tensor, point_class: torch.Tensor, momentum: t
                         instance_mean(vertex, 3) if vertex is not None else None)
 
 
-def _focal_terms(logits: torch.Tensor, alpha: float, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid focal loss of every logit against target 1 and against target 0."""
+@torch.no_grad()
+def _focal_parts(logits: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per logit x with p = sigmoid(x): (p, -log p, (1 - p)^gamma * -log p, p^gamma * -log(1 - p)), the last two the
+    sigmoid focal loss against target 1 and against target 0 without alpha; -log(1 - p) = -log p + x.
+
+    -log p is softplus(-x) = max(-x, 0) - log max(p, 1 - p), computed so: the log of a number in [0.5, 1] is about
+    half the time of torch's softplus on CPU, and nothing underflows at the padding logits (exp is slow there).
+    """
     prob = logits.sigmoid()
-    # binary cross-entropy against 1 and against 0: -log sigmoid(x) = softplus(-x) (faster on CPU than logsigmoid)
-    positive = alpha * (1 - prob) ** gamma * F.softplus(-logits)
-    negative = (1 - alpha) * prob**gamma * F.softplus(logits)
-    return positive, negative
+    complement = 1 - prob
+    neg_log_prob = logits.clamp(max=0).neg_().sub_(torch.maximum(prob, complement).log_())
+    positive = complement.pow_(gamma).mul_(neg_log_prob)
+    negative = prob.pow(gamma).mul_(neg_log_prob + logits)
+    return prob, neg_log_prob, positive, negative
+
+
+class MatchedMaskLosses(torch.autograd.Function):
+    """Each matched pair's mask terms over its kept points, with their gradient written out: (logits (M, P),
+    truth (M, P) 0/1 and 0 where not kept, keep (M, P) 0/1, alpha, gamma) -> (mean sigmoid focal loss (M,),
+    dice loss (M,)). The same formulas through autograd keep about a dozen (M, P) tensors and take twice the
+    passes over them (tests/test_query_detector.py checks the gradient against autograd's)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, truth: torch.Tensor, keep: torch.Tensor, alpha: float,
+                gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+        prob, neg_log_prob, positive, negative = _focal_parts(logits, gamma)
+        count = keep.sum(1).clamp(min=1)
+        positive, negative = positive.mul_(truth).sum(1), negative.mul_(keep - truth).sum(1)
+        overlap = 2 * (prob * truth).sum(1) + 1
+        total = (prob * keep).sum(1) + truth.sum(1) + 1
+        ctx.save_for_backward(logits, prob, neg_log_prob, truth, keep, count, overlap, total)
+        ctx.alpha, ctx.gamma = alpha, gamma
+        return (alpha * positive + (1 - alpha) * negative) / count, 1 - overlap / total
+
+    @staticmethod
+    def backward(ctx, grad_focal: torch.Tensor, grad_dice: torch.Tensor):
+        logits, prob, neg_log_prob, truth, keep, count, overlap, total = ctx.saved_tensors
+        alpha, gamma = ctx.alpha, ctx.gamma
+        complement = 1 - prob
+        # d/dx of (1 - p)^g * -log p and of p^g * -log(1 - p), with dp/dx = p (1 - p)
+        d_positive = (prob * neg_log_prob).mul_(gamma).add_(complement).mul_(complement.pow(gamma)).neg_()
+        d_negative = (complement * (neg_log_prob + logits)).mul_(gamma).add_(prob).mul_(prob.pow(gamma))
+        grad = (alpha * truth).mul_(d_positive).add_(((1 - alpha) * (keep - truth)).mul_(d_negative))
+        grad.mul_((grad_focal / count).unsqueeze(1))
+        # dice = 1 - overlap / total: d/dp_n = (overlap * keep_n / total - 2 truth_n) / total
+        d_dice = (keep * (overlap / total).unsqueeze(1)).sub_(2 * truth).mul_((grad_dice / total).unsqueeze(1))
+        grad.add_(d_dice.mul_(prob).mul_(complement))
+        return grad, None, None, None, None
 
 
 def assign_queries(cost: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,23 +217,18 @@ def matching_cost(logits: torch.Tensor, class_logits: torch.Tensor, masks: torch
     from mask logits (B, Q, P), class logits (B, Q, K+1), instance masks (B, T, P) and classes (B, T):
     cost_class * -log p(instance class) (softmax without no-object, as matcher.py:223-224) + cost_mask * mean
     sigmoid focal loss + cost_dice * dice loss."""
+    alpha = weights.focal_alpha
     keep = keep.float()
-    masks = masks * keep.unsqueeze(1)
-    # the focal terms of _focal_terms with fewer passes over (B, Q, P): log(1 - p) = log p - logit
-    # log p as -softplus(-x) and p as sigmoid(x): on CPU logsigmoid is slower, and exp is slow where it underflows
-    # (PADDING_BIAS logits)
-    log_prob = F.softplus(-logits).neg_()
-    prob = logits.sigmoid()
-    negative = prob.pow(weights.focal_gamma).mul_(log_prob - logits).mul_(weights.focal_alpha - 1)
-    positive = (1 - prob).pow_(weights.focal_gamma).mul_(log_prob).mul_(-weights.focal_alpha)
+    # the kept points of each instance, and all kept points as one more row: each per-point part is summed over both
+    # in one batched product, (B, T + 1, P) @ (B, P, Q) (on CPU faster than (B, Q, P) @ (B, P, T + 1))
+    rows = torch.cat([masks * keep.unsqueeze(1), keep.unsqueeze(1)], 1)
+    prob, _, positive, negative = _focal_parts(logits, weights.focal_gamma)
+    prob, positive, negative = ((rows @ part.transpose(1, 2)).transpose(1, 2) for part in (prob, positive, negative))
     points = keep.sum(1).clamp(min=1)[:, None, None]
-
-    def over_kept(values: torch.Tensor) -> torch.Tensor:  # (B, Q, 1); not values @ keep: a slow batched mat-vec
-        return (values * keep.unsqueeze(1)).sum(-1, keepdim=True)
-
-    # mean over the kept points of positive where the instance is, negative elsewhere
-    focal = (positive.sub_(negative) @ masks.transpose(1, 2) + over_kept(negative)) / points
-    dice = 1 - (2 * prob @ masks.transpose(1, 2) + 1) / (over_kept(prob) + masks.sum(-1).unsqueeze(1) + 1)
+    instance_points = rows[:, :-1].sum(-1).unsqueeze(1)  # (B, 1, T)
+    # mean over the kept points of the focal loss against 1 where the instance is, against 0 elsewhere
+    focal = (alpha * positive[..., :-1] + (1 - alpha) * (negative[..., -1:] - negative[..., :-1])) / points
+    dice = 1 - (2 * prob[..., :-1] + 1) / (prob[..., -1:] + instance_points + 1)
     class_prob = class_logits[..., :-1].softmax(-1)
     target_class = instance_class.unsqueeze(1).expand(-1, logits.shape[1], -1)
     cost_class = -torch.log(class_prob.gather(2, target_class) + 1e-8)
@@ -225,10 +261,7 @@ def _layer_terms(layer: BatchLayerPrediction, truth: BatchTargets, weights: Dete
     pair_logits = logits[pair_event, pair_query]
     pair_keep = keep[pair_event].float()
     pair_truth = truth.masks[pair_event, pair_target] * pair_keep
-    positive, negative = _focal_terms(pair_logits, weights.focal_alpha, weights.focal_gamma)
-    focal = (pair_truth * positive + (pair_keep - pair_truth) * negative).sum(1) / pair_keep.sum(1).clamp(min=1)
-    prob = pair_logits.sigmoid() * pair_keep
-    dice = 1 - (2 * (prob * pair_truth).sum(1) + 1) / (prob.sum(1) + pair_truth.sum(1) + 1)
+    focal, dice = MatchedMaskLosses.apply(pair_logits, pair_truth, pair_keep, weights.focal_alpha, weights.focal_gamma)
     terms = {"focal": (event_mean(focal), matched), "dice": (event_mean(dice), matched)}
     query_class = torch.full((batch, num_queries), class_logits.shape[-1] - 1, device=logits.device)
     query_class[pair_event, pair_query] = truth.instance_class[pair_event, pair_target]
