@@ -231,8 +231,8 @@ def test_the_decoder_positions_are_the_feature_coordinates_as_the_published_poin
     feat = torch.randn(300, 4, generator=generator)  # one point per voxel: each voxel's mean is its point
     seen = []
     decode = model.decoder.forward
-    monkeypatch.setattr(model.decoder, "forward", lambda f, offset, position: seen.append(position) or decode(
-        f, offset, position))
+    monkeypatch.setattr(model.decoder, "forward", lambda f, offset, position, rows: seen.append(position[rows]) or
+                        decode(f, offset, position, rows))
     model(coord, feat, torch.tensor([300]))
     rows = sorted(map(tuple, seen[0].tolist()))
     assert len(rows) <= 300 and set(rows) <= set(map(tuple, feat[:, :3].tolist()))

@@ -14,11 +14,11 @@ from pimm.models.query_detector import (
 )
 from pimm.tasks.panoptic_loss import (
     DetectorLossWeights,
+    MatchedMaskLosses,
     detector_event_losses,
     detector_loss,
     event_targets,
     hungarian_match,
-    MatchedMaskLosses,
     matching_cost,
 )
 
@@ -60,6 +60,19 @@ def test_events_never_mix():
             torch.testing.assert_close(layer_alone.class_logits, layer_together.class_logits)
             torch.testing.assert_close(layer_alone.momentum, layer_together.momentum)
         start += size
+
+
+def test_reading_some_rows_equals_decoding_those_rows_alone():
+    model = small_detector().eval()
+    feat, coord, offset, _ = batch()
+    event = torch.repeat_interleave(torch.arange(len(EVENT_SIZES)), torch.tensor(EVENT_SIZES))
+    rows = torch.tensor([n for n in range(len(feat)) if n % 3 != 1])
+    read_offset = torch.bincount(event[rows], minlength=len(EVENT_SIZES)).cumsum(0)
+    picked = model(feat, read_offset, coord, rows=rows)
+    alone = model(feat[rows], read_offset, coord[rows])
+    for layer_picked, layer_alone in zip(picked.layers, alone.layers):
+        torch.testing.assert_close(layer_picked.mask_logits, layer_alone.mask_logits)
+        torch.testing.assert_close(layer_picked.class_logits, layer_alone.class_logits)
 
 
 def test_permuted_queries_give_the_same_loss():

@@ -133,7 +133,7 @@ class Detector(nn.Module):
             stuff_logits = self.decoder.stuff_head(voxel_feat).squeeze(-1)
             attend = self._thing_voxels(stuff_logits, level.batch, num_events, voxel_of_point, segment)
         voxel_counts = torch.bincount(level.batch[attend], minlength=num_events)
-        decoded = self.decoder(voxel_feat[attend], voxel_counts.cumsum(0), voxel_position[attend])
+        decoded = self.decoder(voxel_feat, voxel_counts.cumsum(0), voxel_position, rows=attend.nonzero().squeeze(1))
         decoded = self._to_points(decoded, attend, level.batch, voxel_counts, voxel_of_point, offset)
         point_stuff = stuff_logits.index_select(0, voxel_of_point) if stuff_logits is not None else None
         output = DetectorOutput(decoded, point_stuff)
