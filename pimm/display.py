@@ -117,7 +117,8 @@ class EventView:
         unmatched = slot_of_pred < 0
         first_free = int(overlap.true_ids.max()) + 1 if len(overlap.true_ids) else 0
         slot_of_pred[unmatched] = first_free + np.arange(int(unmatched.sum()))
-        return true, np.where(overlap.pred_code >= 0, slot_of_pred[overlap.pred_code], -1)
+        # code -1 (no instance) reads the appended -1: also when nothing was predicted
+        return true, np.append(slot_of_pred, -1)[overlap.pred_code]
 
     def instance_wrong(self) -> np.ndarray:
         """Labelled points whose predicted instance is not the match of their true instance (a

@@ -173,3 +173,25 @@ def test_a_view_the_file_cannot_give_is_refused_in_one_line(files, pimm, tmp_pat
 
 def test_the_command_line_offers_every_colouring_the_display_draws() -> None:
     assert show.COLOR_BY == COLOR_BY
+
+
+def test_a_prediction_of_no_instance_is_drawn_beside_its_truth(files, pimm, panels, tmp_path) -> None:
+    """An early checkpoint may predict no instance in an event: every view of it still draws (the truth's
+    particles unmatched, every labelled thing point an instance error)."""
+    dataset = PILArNetDataset(files["pilarnet"], split="val", revision="v2", label="pid", instances=True)
+    raw = dataset.read_raw(0)
+    dataset.close()
+    none = np.full(len(raw["segment"]), -1)
+    path = tmp_path / "none.h5"
+    with PredictionWriter(path, has_instances=True, num_classes=6, class_names=list(PID_NAMES), split="val",
+                          sources=[str(files["pilarnet"])]) as writer:
+        writer.add(0, 0, 0, segment=raw["segment"], true_instance=raw["particle"], pred=raw["segment"],
+                   point_index=raw["point_index"], coord=raw["coord"], instance=none,
+                   instance_score=np.zeros(len(none)),
+                   instance_table={"instance": none[:0], "class": none[:0], "score": np.zeros(0)})
+    for color_by in ("instance", "error"):
+        out = tmp_path / f"{color_by}.png"
+        assert pimm(path, "--event", "0", "--color-by", color_by, "--side-by-side", "--out", out) == \
+            (0, f"{out}\n", "")
+    assert panels[0] == ["truth: 3D", "prediction: 3D"]
+    assert _has_colour(_colours(tmp_path / "error.png"), WRONG_INSTANCE_COLOUR)
