@@ -21,6 +21,7 @@ from pimm.data.synth import write_pilarnet
 from pimm.errors import ConfigError
 from pimm.models import build_model
 from pimm.tasks import build_task
+from pimm.tasks.panoptic import Panoptic
 from pimm.tasks.panoptic_loss import DetectorLossWeights
 
 CONFIG = "tests/tiny_panoptic"
@@ -212,3 +213,11 @@ def test_pimm_predict_writes_instances_of_an_unlabelled_file_and_pimm_show_draws
     res = run_pimm(["predict", "--weights", str(detector_runs["full"]), "--data", str(unlabelled), "--out",
                     str(tmp_path / "again.h5"), "--save-scores"], cwd=REPO)
     assert res.returncode == 2 and "--save-scores" in res.stderr and "leave --save-scores out" in res.stderr
+
+
+def test_the_summary_line_prints_an_undefined_metric_as_n_a():
+    """Purity with no predicted instance is NaN by definition: the validation line says n/a, as pimm test does."""
+    line = Panoptic(num_classes=6).summary({"loss": 1.5, "ari_all_labelled": 0.25, "purity": float("nan"),
+                                            "efficiency": 0.0, "events": 4})
+    assert line == ("loss 1.5000 ari_all_labelled 0.2500 pq n/a purity n/a efficiency 0.0000 detection_f1 n/a "
+                    "(4 events)")

@@ -105,7 +105,8 @@ class Panoptic(Task):
         return {k: result[k] for k in ("loss", self.best_metric) if k in result}
 
     def summary(self, result: dict) -> str:
-        values = " ".join(f"{name} {result.get(name, float('nan')):.4f}" for name in SUMMARY_METRICS)
+        # a metric undefined over these events (purity with no predicted instance) is NaN: printed as pimm test does
+        values = " ".join(f"{name} {_number(result.get(name))}" for name in SUMMARY_METRICS)
         return f"loss {result['loss']:.4f} {values} ({int(result['events'])} events)"
 
 
@@ -130,6 +131,10 @@ def event_arrays(task: Panoptic, batch: dict, output) -> list[tuple[int, dict[st
                 arrays[f"pred_{side}"] = per_point.squeeze(1).cpu().numpy()
         out.append((int(batch["event_id"][b]), arrays))
     return out
+
+
+def _number(value: float | None) -> str:
+    return "n/a" if value is None or not np.isfinite(value) else f"{value:.4f}"
 
 
 class PanopticMeter(Meter):
