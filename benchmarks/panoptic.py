@@ -1,18 +1,23 @@
 """Particles found by the query detector against DBSCAN on semantic classes, on generated PILArNet-M-layout
 events, both models trained here within a CPU budget and scored with pimm's panoptic metrics.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/panoptic.py [--seconds 240] [--events 200] [--test-events 50]
-        [--points-per-event 4000] [--eps 1.9,4,8,12] [--timing-pairs N] [--out FILE]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/panoptic.py [--seconds 240 | --steps N] [--events 200]
+        [--test-events 50] [--points-per-event 4000] [--eps 1.9,4,8,12] [--timing-pairs N] [--out FILE]
 
 Events: `pimm data synth --layout pilarnet --revision v2` (1 to 3 interactions and the rain per image),
 training and held-out events from two seeds, read as the configs' data say (PILArNetDataset(instances=True),
 pid classes, "none" as stuff). Two models on the same PT-v3m2 encoder (configs/bench/panoptic_detector.py and
 panoptic_semseg.py) train in one process through pimm's own pieces (build_model, build_task,
 task.forward_loss, the config's AdamW, collate_events) until each has spent --seconds of CPU time (all
-threads) in its own steps. The configs' OneCycleLR (the published recipes' shape) runs over that budget: at
-each step the learning rate is the schedule's at the fraction of the budget spent, since the number of steps a
-budget buys is not known in advance. Their steps alternate on the same batches, in ABBA order, so the step-time ratio
-sees the same events and the same machine.
+threads) in its own steps, or with --steps until each has taken that many steps. The configs' OneCycleLR (the
+published recipes' shape) runs over that budget: at each step the learning rate is the schedule's at the fraction
+of the budget spent, since the number of steps a CPU budget buys is not known in advance. Their steps alternate on
+the same batches, in ABBA order, so the step-time ratio sees the same events and the same machine.
+
+The two budgets answer different questions. CPU seconds are fair between the models (the detector's step costs
+more, so it takes fewer), and a CPU second buys different work on different machines. A number of steps gives the
+same training on any machine (the rows repeat where the arithmetic does), and favours the model whose step costs
+more.
 
 Rows of the table, every one scored by PanopticAccumulator on the held-out events with the task's truth
 (particles as instances, their majority class, stuff left out):
@@ -113,6 +118,24 @@ def one_cycle_factor(fraction: float, pct_start: float, div_factor: float, final
     return end + (start - end) / 2 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+@dataclass(frozen=True)
+class Budget:
+    """How long each model trains: CPU seconds (all threads) of its own steps, or a number of its steps."""
+
+    seconds: float = math.inf
+    steps: int | None = None
+
+    def fraction(self, trainee: Trainee) -> float:
+        """The share of the budget `trainee` has spent (>= 1: done); 0 for an unbounded budget."""
+        if self.steps is not None:
+            return len(trainee.step_seconds) / self.steps
+        return trainee.spent / self.seconds if math.isfinite(self.seconds) else 0.0
+
+    def describe(self) -> str:
+        return f"{self.steps} training steps" if self.steps is not None else \
+            f"{self.seconds:g} CPU seconds of training steps"
+
+
 @dataclass
 class Trainee:
     """One model in training: its config, task, optimizer, and the wall-clock and CPU seconds of each step."""
@@ -209,18 +232,18 @@ def training_batches(events: PILArNetDataset, batch_size: int, seed: int) -> Ite
             yield collate_events([events[int(i)] for i in order[start:start + batch_size]])
 
 
-def train(detector: Trainee, semantic: Trainee, events: PILArNetDataset, seconds: float, seed: int,
+def train(detector: Trainee, semantic: Trainee, events: PILArNetDataset, budget: Budget, seed: int,
           max_pairs: int | None = None) -> None:
     """One step of each model on every batch, in ABBA order (a drift in the machine's speed favours neither),
-    until each has spent `seconds` of CPU in its steps (or after `max_pairs` batches)."""
+    until each has spent its `budget` (or after `max_pairs` batches)."""
     batches = training_batches(events, int(detector.cfg["batch_size"]), seed)
     with MatchTimer() as timer:
         pairs = 0
-        while min(detector.spent, semantic.spent) < seconds and (max_pairs is None or pairs < max_pairs):
+        while min(budget.fraction(t) for t in (detector, semantic)) < 1 and (max_pairs is None or pairs < max_pairs):
             batch = next(batches)
             for trainee in (detector, semantic) if pairs % 2 == 0 else (semantic, detector):
-                if trainee.spent < seconds:
-                    trainee.set_lr(trainee.spent / seconds if math.isfinite(seconds) else 0.0)
+                if budget.fraction(trainee) < 1:
+                    trainee.set_lr(budget.fraction(trainee))
                     trainee.step(batch, timer)
             pairs += 1
 
@@ -314,8 +337,11 @@ def evaluate(detector: Trainee, semantic: Trainee, events: PILArNetDataset, eps:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seconds", type=float, default=240.0,
+    p.add_argument("--seconds", type=float,
                    help="training budget per model: CPU seconds (all threads) of its own steps (default 240)")
+    p.add_argument("--steps", type=int,
+                   help="training budget per model: this many steps instead of --seconds (the same training on any "
+                        "machine; the module docstring says what each budget favours)")
     p.add_argument("--events", type=int, default=200, help="generated training events (default 200)")
     p.add_argument("--test-events", type=int, default=50, help="generated held-out events (default 50)")
     p.add_argument("--select-events", type=int, default=50,
@@ -332,10 +358,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "panoptic_detector_published and bench/panoptic_semseg_published)")
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = p.parse_args(argv)
-    for name in ("seconds", "events", "test_events", "select_events", "points_per_event", "min_samples",
+    for name in ("seconds", "steps", "events", "test_events", "select_events", "points_per_event", "min_samples",
                  "timing_pairs"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.seconds is not None and args.steps is not None:
+        p.error(f"--seconds {args.seconds:g} and --steps {args.steps} are two budgets: give one of them")
+    if args.steps is None and args.seconds is None:
+        args.seconds = 240.0
     return args
 
 
@@ -349,7 +379,7 @@ def print_timing(timing: dict[str, float]) -> None:
 
 def time_steps(detector: Trainee, semantic: Trainee, events: PILArNetDataset, args: argparse.Namespace) -> None:
     """--timing-pairs: the step-time ratio alone."""
-    train(detector, semantic, events, float("inf"), args.seed, max_pairs=WARMUP_PAIRS + args.timing_pairs)
+    train(detector, semantic, events, Budget(), args.seed, max_pairs=WARMUP_PAIRS + args.timing_pairs)
     timing = step_timing(detector, semantic)
     points = np.mean([len(events[i]["coord"]) for i in range(len(events))])
     print(f"{args.detector_config} against {args.semantic_config}, batches of {detector.cfg['batch_size']} "
@@ -383,7 +413,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.timing_pairs:
             return time_steps(detector, semantic, train_events, args)
         start = time.perf_counter()
-        train(detector, semantic, train_events, args.seconds, args.seed)
+        budget = Budget(steps=args.steps) if args.steps is not None else Budget(seconds=args.seconds)
+        train(detector, semantic, train_events, budget, args.seed)
         train_wall = time.perf_counter() - start
         sweep = choose_radii(detector.task, semantic, train_events, args.select_events, radii, args.min_samples)
         eps = {side: best_radius(ari) for side, ari in sweep.items()}
@@ -401,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
               "true": f"DBSCAN eps {eps['true']:g}, true semantics"}
 
     print(f"{len(train_events)} training and {len(test_events)} held-out generated events, {points:.0f} voxels each "
-          f"on average; {args.seconds:g} CPU seconds of training steps per model ({train_wall:.0f} s wall)")
+          f"on average; {budget.describe()} per model ({train_wall:.0f} s wall)")
     for t in (detector, semantic):
         row = training[t.name]
         schedule = " (OneCycleLR over the budget)" if row["scheduler"] else ""

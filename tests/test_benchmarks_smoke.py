@@ -163,3 +163,21 @@ def test_panoptic_benchmark_timing_pairs_only_times_the_steps(tmp_path):
     assert "| method |" not in res.stdout and "(goal <= 1.3x" in res.stdout
     result = json.loads(out.read_text())
     assert set(result) == {"settings", "voxels_per_event", "timing"} and result["timing"]["pairs"] == 1
+
+
+def test_panoptic_benchmark_steps_budget_trains_each_model_that_many_steps(tmp_path):
+    """--steps N: each model takes exactly N steps (the same training on any machine) and the output says so;
+    --seconds with --steps is refused before anything is generated."""
+    out = tmp_path / "s.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "panoptic.py"), "--events", "8", "--test-events", "2",
+               "--select-events", "2", "--points-per-event", "300", "--eps", "4", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([*command, "--steps", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                         check=False, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "3 training steps per model" in res.stdout
+    training = json.loads(out.read_text())["training"]
+    assert training["detector"]["steps"] == training["semantic"]["steps"] == 3
+    both = subprocess.run([*command, "--steps", "3", "--seconds", "5"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180, check=False, env=env)
+    assert both.returncode == 2 and "--seconds 5 and --steps 3 are two budgets: give one of them" in both.stderr
