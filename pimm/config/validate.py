@@ -284,9 +284,11 @@ def check_config(cfg: dict) -> None:
     num_classes = data["num_classes"]
     task = cfg.get("task") if isinstance(cfg.get("task"), dict) else {}
     if task.get("type") == "Panoptic" and task.get("label") == "interaction":
-        if model.get("num_classes", 2) != 2:
-            raise ConfigError(f"model.num_classes={model['num_classes']} but task.label='interaction' has 2 classes "
-                              "(stuff, interaction), as the published vtx recipes: set model.num_classes=2")
+        stuff = model.get("stuff_classes")
+        if model.get("num_classes", 2) != 2 or (stuff and any(c not in (0, 1) for c in stuff)):
+            raise ConfigError(f"model.num_classes={model.get('num_classes', 2)} and model.stuff_classes={stuff}, but "
+                              "task.label='interaction' has 2 classes (stuff, interaction), as the published vtx "
+                              "recipes: set model.num_classes=2 and model.stuff_classes=[0]")
     elif "num_classes" in model and model["num_classes"] != num_classes:
         raise ConfigError(
             f"data.num_classes={num_classes} but model.num_classes={model['num_classes']}: the model must "
