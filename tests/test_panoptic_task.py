@@ -54,6 +54,8 @@ def test_the_loss_weights_a_config_may_set_are_the_loss_fields():
                                  "has 2 classes (stuff, interaction), as the published vtx recipes: set "
                                  "model.num_classes=2 and model.stuff_classes=[0]"),
     (["task.label=interaction", "model.num_classes=2"], "model.num_classes=2 and model.stuff_classes=[5], but"),
+    (["task.label=interaction", "model.num_classes=2", "model.stuff_classes=[1]"],
+     "model.num_classes=2 and model.stuff_classes=[1], but"),
     (["task.stuff_classes=[6]"], "task.stuff_classes=[6] is not allowed: class 6 is outside 0..5"),
     (["model.full_in_channels=32"], "model.full_in_channels=32 but the backbone gives 48 channels"),
     (['task.loss={focl: 2.0}'], "task.loss.focl is not a Panoptic loss weight: did you mean 'focal'?"),

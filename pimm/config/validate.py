@@ -285,7 +285,8 @@ def check_config(cfg: dict) -> None:
     task = cfg.get("task") if isinstance(cfg.get("task"), dict) else {}
     if task.get("type") == "Panoptic" and task.get("label") == "interaction":
         stuff = model.get("stuff_classes")
-        if model.get("num_classes", 2) != 2 or (stuff and any(c not in (0, 1) for c in stuff)):
+        # a stuff_classes that is no list is left to the model's argument check, which names its type
+        if model.get("num_classes", 2) != 2 or (isinstance(stuff, list) and stuff != [0]):
             raise ConfigError(f"model.num_classes={model.get('num_classes', 2)} and model.stuff_classes={stuff}, but "
                               "task.label='interaction' has 2 classes (stuff, interaction), as the published vtx "
                               "recipes: set model.num_classes=2 and model.stuff_classes=[0]")
