@@ -14,6 +14,12 @@ import numbers
 from typing import Any
 
 
+def metric_text(value: float | None) -> str:
+    """A metric as pimm prints it on a console line: four decimals, "n/a" where it is None (how `dumps` wrote a
+    non-finite value) or not finite."""
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.4f}"
+
+
 def finite_or_none(value: Any) -> Any:
     """`value` with every non-finite float (also numpy scalars) in it replaced by None, recursively
     through dicts, lists and tuples; other values unchanged."""

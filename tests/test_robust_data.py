@@ -20,7 +20,7 @@ from pimm.data.event_format import select_events
 from pimm.data.pilarnet_file import write_pilarnet_file
 from pimm.data.synth import pilarnet_event, write_dataset, write_pilarnet
 from pimm.errors import DataError
-from pimm.json_io import dumps
+from pimm.json_io import dumps, metric_text
 from pimm.models import build_model
 
 
@@ -153,6 +153,13 @@ def test_nonfinite_validation_is_loud_and_summary_is_standard_json(tmp_path: Pat
 def test_dumps_writes_null_for_every_nonfinite_number() -> None:
     value = {"a": math.nan, "b": [math.inf, 1.5, np.float32("nan"), np.float64(-np.inf)], "c": (2, "x")}
     assert strict_json(dumps(value)) == {"a": None, "b": [None, 1.5, None, None], "c": [2, "x"]}
+
+
+def test_a_metric_that_is_null_or_not_finite_prints_as_n_a() -> None:
+    """Every console line of metrics (pimm test's, a task's validation line) prints through metric_text: a value
+    read back as null and a NaN straight from the meter print alike."""
+    assert [metric_text(v) for v in (None, math.nan, np.float32("nan"), -math.inf)] == ["n/a"] * 4
+    assert [metric_text(v) for v in (0.123456, np.float64(1.0), 0)] == ["0.1235", "1.0000", "0.0000"]
 
 
 def test_empty_event_file_says_it_has_no_events(tmp_path: Path, tiny_data) -> None:

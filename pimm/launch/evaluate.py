@@ -28,6 +28,7 @@ from pimm.distributed.strategy import check_strategy_fits
 from pimm.engine.eval_dir import HELD_WEIGHTS, METRICS_FILE, finished, read_metrics, write_spec
 from pimm.errors import EXIT_FAILED, PimmError
 from pimm.files import os_error_reason
+from pimm.json_io import metric_text
 from pimm.launch.plan import resolve_nproc, visible_gpus
 from pimm.launch.process import run_torchrun
 
@@ -128,20 +129,18 @@ def run_test(job: TestJob) -> int:
         return EXIT_FAILED
     m = read_metrics(out)
 
-    def num(v) -> str:
-        return "n/a" if v is None else f"{v:.4f}"
-
     if "miou" in m:
-        print(f"pimm test: mIoU {num(m['miou'])} mAcc {num(m['macc'])} allAcc {num(m['allacc'])} over {m['events']} "
-              f"events ({m['points']} points); results in {out}")
+        print(f"pimm test: mIoU {metric_text(m['miou'])} mAcc {metric_text(m['macc'])} allAcc "
+              f"{metric_text(m['allacc'])} over {m['events']} events ({m['points']} points); results in {out}")
     elif "ari_all_labelled" not in m:  # SelfDistillation
-        probe = f" probe mIoU {num(m.get('probe_miou'))}" if "probe_miou" in m else ""
-        print(f"pimm test: self-distillation loss {num(m.get('loss'))}{probe} over {int(m['events'])} events; "
-              f"results in {out}")
+        probe = f" probe mIoU {metric_text(m.get('probe_miou'))}" if "probe_miou" in m else ""
+        print(f"pimm test: self-distillation loss {metric_text(m.get('loss'))}{probe} over {int(m['events'])} "
+              f"events; results in {out}")
     else:  # Panoptic
-        print(f"pimm test: ARI {num(m.get('ari_all_labelled'))} PQ {num(m.get('pq'))} purity {num(m.get('purity'))} "
-              f"efficiency {num(m.get('efficiency'))} detection F1 {num(m.get('detection_f1'))} over "
-              f"{int(m['events'])} events; results in {out}")
+        values = " ".join(f"{label} {metric_text(m.get(key))}" for label, key in (
+            ("ARI", "ari_all_labelled"), ("PQ", "pq"), ("purity", "purity"), ("efficiency", "efficiency"),
+            ("detection F1", "detection_f1")))
+        print(f"pimm test: {values} over {int(m['events'])} events; results in {out}")
     return 0
 
 

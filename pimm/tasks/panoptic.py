@@ -28,6 +28,7 @@ from torch import nn
 
 from pimm.config.validate import panoptic_loss_weights
 from pimm.distributed.env import all_gather_objects, all_reduce_sum
+from pimm.json_io import metric_text
 from pimm.names import PANOPTIC_LABELS
 from pimm.panoptic_metrics import EVENT_METRICS, PanopticAccumulator
 from pimm.tasks.base import Meter, Task, TaskOutput
@@ -106,7 +107,7 @@ class Panoptic(Task):
 
     def summary(self, result: dict) -> str:
         # a metric undefined over these events (purity with no predicted instance) is NaN: printed as pimm test does
-        values = " ".join(f"{name} {_number(result.get(name))}" for name in SUMMARY_METRICS)
+        values = " ".join(f"{name} {metric_text(result.get(name))}" for name in SUMMARY_METRICS)
         return f"loss {result['loss']:.4f} {values} ({int(result['events'])} events)"
 
 
@@ -131,10 +132,6 @@ def event_arrays(task: Panoptic, batch: dict, output) -> list[tuple[int, dict[st
                 arrays[f"pred_{side}"] = per_point.squeeze(1).cpu().numpy()
         out.append((int(batch["event_id"][b]), arrays))
     return out
-
-
-def _number(value: float | None) -> str:
-    return "n/a" if value is None or not np.isfinite(value) else f"{value:.4f}"
 
 
 class PanopticMeter(Meter):
