@@ -59,9 +59,10 @@ from pimm.data.collate import collate_events
 from pimm.data.dataset import PILArNetDataset
 from pimm.data.synth import write_pilarnet
 from pimm.engine.optim import build_optimizer
+from pimm.errors import PimmError
 from pimm.models import build_model
 from pimm.panoptic_metrics import PanopticAccumulator
-from pimm.tasks import Panoptic, Task, build_task, panoptic_loss
+from pimm.tasks import Panoptic, SemanticSegmentation, Task, build_task, panoptic_loss
 from pimm.tasks.panoptic import event_arrays
 
 COLUMNS = ("ari_all_labelled", "ari_predicted_things", "purity", "efficiency", "pq", "detection_f1")
@@ -196,6 +197,9 @@ def check_same_setup(detector: Trainee, semantic: Trainee) -> None:
     """The comparison needs one backbone, one set of classes and a Panoptic detector task."""
     if not isinstance(detector.task, Panoptic):
         raise SystemExit(f"--detector-config has task type {type(detector.task).__name__}; it must be Panoptic")
+    if not isinstance(semantic.task, SemanticSegmentation):
+        raise SystemExit(f"--semantic-config has task type {type(semantic.task).__name__}; it must be "
+                         "SemanticSegmentation (a model with one class logit per point)")
     for trainee in (detector, semantic):
         scheduler = trainee.cfg.get("scheduler")
         if scheduler is not None and scheduler.get("type") != "OneCycleLR":
@@ -347,7 +351,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--select-events", type=int, default=50,
                    help="training events on which each DBSCAN row picks its radius (default 50)")
     p.add_argument("--points-per-event", type=int, default=4000, help="about this many voxels per event (default 4000)")
-    p.add_argument("--eps", default="1.9,4,8,12", help="DBSCAN radii in voxels to choose from (default 1.9,4,8,12)")
+    p.add_argument("--eps", default="1.9,4,8,12",
+                   help="DBSCAN radii in voxels to choose from, comma-separated (default 1.9,4,8,12)")
     p.add_argument("--min-samples", type=int, default=1, help="DBSCAN min_samples (default 1)")
     p.add_argument("--detector-config", default="bench/panoptic_detector", help="(default bench/panoptic_detector)")
     p.add_argument("--semantic-config", default="bench/panoptic_semseg", help="(default bench/panoptic_semseg)")
@@ -366,6 +371,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--seconds {args.seconds:g} and --steps {args.steps} are two budgets: give one of them")
     if args.steps is None and args.seconds is None:
         args.seconds = 240.0
+    try:
+        args.radii = [float(e) for e in args.eps.split(",")]
+    except ValueError:
+        p.error(f"--eps {args.eps!r} is not a comma-separated list of numbers; e.g. --eps 4,8,12")
+    if not all(0 < e < math.inf for e in args.radii):
+        p.error(f"--eps {args.eps!r}: every DBSCAN radius must be a positive number of voxels")
     return args
 
 
@@ -396,9 +407,12 @@ def fmt(value: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    radii = [float(e) for e in args.eps.split(",")]
-    detector = build_trainee("detector", args.detector_config)
-    semantic = build_trainee("semantic", args.semantic_config)
+    radii = args.radii
+    try:
+        detector = build_trainee("detector", args.detector_config)
+        semantic = build_trainee("semantic", args.semantic_config)
+    except PimmError as exc:  # a config that is not there, or that pimm refuses
+        raise SystemExit(f"benchmarks/panoptic.py: {exc}") from None
     check_same_setup(detector, semantic)
     with tempfile.TemporaryDirectory(prefix="pimm-bench-panoptic-") as tmp:
         write_pilarnet(tmp, args.events, seed=args.seed, revision="v2", split="train",

@@ -181,3 +181,21 @@ def test_panoptic_benchmark_steps_budget_trains_each_model_that_many_steps(tmp_p
     both = subprocess.run([*command, "--steps", "3", "--seconds", "5"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=180, check=False, env=env)
     assert both.returncode == 2 and "--seconds 5 and --steps 3 are two budgets: give one of them" in both.stderr
+
+
+def test_panoptic_benchmark_refuses_what_it_cannot_run_with_one_line():
+    """A radius that is no positive number is refused by the argument check (exit 2, nothing generated); a
+    config that is not there, or a semantic config that is no SemanticSegmentation, ends with one line naming
+    it, not a traceback."""
+    command = [sys.executable, str(REPO / "benchmarks" / "panoptic.py"), "--steps", "1", "--events", "8"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for args, code, message in (
+            (["--eps", "4,,8"], 2, "--eps '4,,8' is not a comma-separated list of numbers"),
+            (["--eps", "-1"], 2, "--eps '-1': every DBSCAN radius must be a positive number of voxels"),
+            (["--detector-config", "bench/nope"], 1, "config 'bench/nope' not found"),
+            (["--semantic-config", "bench/panoptic_detector"], 1,
+             "--semantic-config has task type Panoptic; it must be SemanticSegmentation")):
+        res = subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=180, check=False,
+                             env=env)
+        assert res.returncode == code and message in res.stderr, (args, res.stdout + res.stderr)
+        assert "Traceback" not in res.stderr, res.stderr
