@@ -26,9 +26,11 @@ Rows of the table, every one scored by PanopticAccumulator on the held-out event
   instance of that class;
 - DBSCAN on the true classes.
 Each DBSCAN row uses the radius of --eps that gives it the best ARI (all labelled) on --select-events training
-events, never the held-out ones. Also printed: the mean training step of the detector against the semantic
-model's (same backbone, same batches) and the share of the detector's step spent in the Hungarian assignment
-(pimm.tasks.panoptic_loss.assign_queries, scipy's linear_sum_assignment, timed by wrapping it).
+events, never the held-out ones. Also printed: the detector's instances per held-out event and the share of
+the held-out particles that some query's mask (sigmoid > the config's mask_threshold, over the labelled points)
+covers at IoU >= the task's threshold, what the best post-processing could keep; the mean training step of the
+detector against the semantic model's (same backbone, same batches) and the share of the detector's step spent in
+the Hungarian assignment (pimm.tasks.panoptic_loss.assign_queries, scipy's linear_sum_assignment, timed by wrapping it).
 
 With --timing-pairs N only the step times are measured (N pairs after the warm-up, nothing trained to the budget,
 nothing scored): for model sizes too slow to train here, e.g. the published particle detector and a semantic
@@ -319,24 +321,45 @@ def best_radius(ari_by_eps: dict[str, float]) -> float:
     return float(max(ari_by_eps, key=lambda eps: np.nan_to_num(ari_by_eps[eps], nan=-1.0)))
 
 
+def mask_recall(mask_logits: torch.Tensor, true_instance: np.ndarray, mask_threshold: float,
+                iou_threshold: float) -> tuple[int, int]:
+    """One event's (true instances with some query mask at IoU >= iou_threshold, true instances): what the best
+    post-processing could keep. Masks (sigmoid > mask_threshold) count the labelled points only."""
+    instance = torch.as_tensor(true_instance)
+    labelled = instance >= 0
+    masks = (mask_logits.float().sigmoid() > mask_threshold) & labelled
+    found = 0
+    for t in torch.unique(instance[labelled]).tolist():
+        truth = instance == t
+        overlap = (masks & truth).sum(1)
+        iou = overlap / (masks | truth).sum(1).clamp(min=1)
+        found += int(iou.max() >= iou_threshold)
+    return found, len(torch.unique(instance[labelled]))
+
+
 @torch.no_grad()
 def evaluate(detector: Trainee, semantic: Trainee, events: PILArNetDataset, eps: dict[str, float],
-             min_samples: int) -> tuple[dict[str, dict[str, float]], float]:
-    """The table's rows on the held-out events, and the detector's mean predicted instances per event."""
+             min_samples: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """The table's rows on the held-out events, and what the detector found: instances per event after
+    post-processing, and the share of true particles some query's mask covers at IoU >= the task's threshold."""
     task = detector.task
     detector.model.eval()
     rows = {"detector": new_meter(task), "predicted": new_meter(task), "true": new_meter(task)}
-    instances = 0
+    instances = covered = particles = 0
     for event in semantic_predictions(task, semantic, events, len(events)):
         batch = event.batch
         output = detector.model(batch["coord"], batch["feat"], batch["offset"], event_id=batch["event_id"])
         (event_id, found), = event_arrays(task, batch, output)  # as pimm test scores the detector
         rows["detector"].update(event_id, **found)
         instances += int(found["pred_instance"].max()) + 1
+        hits, count = mask_recall(output.events[0].final.mask_logits, event.true_instance,
+                                  detector.model.postprocess["mask_threshold"], task.iou_threshold)
+        covered, particles = covered + hits, particles + count
         score_dbscan(rows["predicted"], event, event.predicted_class, task.stuff_classes, eps["predicted"],
                      min_samples)
         score_dbscan(rows["true"], event, event.true_class, task.stuff_classes, eps["true"], min_samples)
-    return {name: meter.result() for name, meter in rows.items()}, instances / len(events)
+    found = {"instances_per_event": instances / len(events), "mask_recall": covered / max(particles, 1)}
+    return {name: meter.result() for name, meter in rows.items()}, found
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -432,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
         train_wall = time.perf_counter() - start
         sweep = choose_radii(detector.task, semantic, train_events, args.select_events, radii, args.min_samples)
         eps = {side: best_radius(ari) for side, ari in sweep.items()}
-        rows, instances_per_event = evaluate(detector, semantic, test_events, eps, args.min_samples)
+        rows, found = evaluate(detector, semantic, test_events, eps, args.min_samples)
         points = np.mean([len(test_events[i]["coord"]) for i in range(len(test_events))])
 
     timing = step_timing(detector, semantic)
@@ -454,7 +477,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['first_loss']:.3f} -> {row['last_loss']:.3f}")
     print(f"DBSCAN radius by ARI (all labelled) on {min(args.select_events, len(train_events))} training events: "
           + "; ".join(f"{side} semantics {eps[side]:g} ({sweep[side][str(eps[side])]:.3f})" for side in eps))
-    print(f"detector: {instances_per_event:.1f} instances per held-out event\n")
+    print(f"detector: {found['instances_per_event']:.1f} instances per held-out event; "
+          f"{100 * found['mask_recall']:.0f}% of the held-out particles have a query mask at IoU >= "
+          f"{detector.task.iou_threshold:g} (what the best post-processing could keep)\n")
     print("| method | " + " | ".join(HEADERS) + " |")
     print("|---|" + "---:|" * len(COLUMNS))
     for name, result in rows.items():
@@ -464,7 +489,8 @@ def main(argv: list[str] | None = None) -> None:
         args.out.write_text(json.dumps({
             "settings": vars(args) | {"out": str(args.out)}, "voxels_per_event": points, "training": training,
             "dbscan_radius_selection": sweep, "eps": eps, "rows": {labels[k]: v for k, v in rows.items()},
-            "detector_instances_per_event": instances_per_event, "timing": timing}, default=float) + "\n")
+            "detector_instances_per_event": found["instances_per_event"],
+            "detector_mask_recall": found["mask_recall"], "timing": timing}, default=float) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+import torch
 from conftest import REPO
 
 FIELDS = ("pimm_events_per_s", "hand_events_per_s", "ratio", "ratio_per_point", "pimm_events_per_s_windows",
@@ -150,6 +152,9 @@ def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     assert 0.0 < timing["matching_share"] < 1.0
     assert f"ratio {timing['ratio']:.2f}x (goal <= 1.3x" in res.stdout
     assert all(training[name]["cpu_seconds"] >= 3 and training[name]["steps"] >= 1 for name in ("detector", "semantic"))
+    assert 0.0 <= result["detector_mask_recall"] <= 1.0
+    assert f"{100 * result['detector_mask_recall']:.0f}% of the held-out particles have a query mask at IoU >= 0.5" \
+        in res.stdout
 
 
 def test_panoptic_benchmark_timing_pairs_only_times_the_steps(tmp_path):
@@ -199,3 +204,19 @@ def test_panoptic_benchmark_refuses_what_it_cannot_run_with_one_line():
                              env=env)
         assert res.returncode == code and message in res.stderr, (args, res.stdout + res.stderr)
         assert "Traceback" not in res.stderr, res.stderr
+
+
+def test_mask_recall_counts_the_particles_some_query_mask_covers_at_the_iou_threshold():
+    """Hand-worked: particle 0 (points 0-3) is covered by query 0 at IoU 3/4; particle 1 (points 4-5) only by query
+    1's mask, which also takes points 0-3, IoU 2/6; point 6 is labelled nothing and counts in no mask."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from panoptic import mask_recall
+
+    logits = torch.full((2, 7), -5.0)
+    logits[0, :3] = 5.0  # 3 of particle 0's 4 points
+    logits[0, 6] = 5.0  # and the unlabelled point: not counted
+    logits[1, :6] = 5.0
+    truth = np.array([0, 0, 0, 0, 1, 1, -1])
+    assert mask_recall(logits, truth, mask_threshold=0.5, iou_threshold=0.5) == (1, 2)
+    assert mask_recall(logits, truth, mask_threshold=0.5, iou_threshold=0.3) == (2, 2)
+    assert mask_recall(logits, truth, mask_threshold=0.5, iou_threshold=0.8) == (0, 2)
