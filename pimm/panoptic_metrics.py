@@ -70,7 +70,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.special import gammaln
 
 from pimm.names import PANOPTIC_EVENT_METRICS
 
@@ -149,6 +148,10 @@ def _expected_mutual_information(t_sizes: np.ndarray, p_sizes: np.ndarray, n: in
     2010); clusters of equal size contribute alike, so it runs over distinct sizes only. Overlaps
     further than 5 sqrt(min(a, b)) from their mean a b / n are left out: by Hoeffding's bound their
     probability is below 2 exp(-50) = 4e-22, far below float64 resolution of the sum."""
+    # imported here: scipy.special takes ~0.4 s to import, which every training rank would pay for a metric it
+    # only computes in `pimm test` of a panoptic run
+    from scipy.special import gammaln
+
     a_values, a_mult = np.unique(t_sizes, return_counts=True)
     b_values, b_mult = np.unique(p_sizes, return_counts=True)
     b_values = b_values.astype(np.int64)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from scipy.optimize import linear_sum_assignment
 
 from pimm.models.query_detector import PADDING_BIAS, BatchLayerPrediction, DecoderOutput
 
@@ -142,6 +141,10 @@ class MatchedMaskLosses(torch.autograd.Function):
 def assign_queries(cost: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """The Hungarian assignment (scipy's linear_sum_assignment) of a (Q, T) cost -> (query indices, target
     indices), min(Q, T) pairs, target indices ascending."""
+    # imported here: scipy.optimize takes ~0.5 s to import, which every rank of every task would pay (pimm.tasks
+    # registers this one); after the first call it is a dictionary look-up
+    from scipy.optimize import linear_sum_assignment
+
     rows, cols = linear_sum_assignment(cost)
     order = cols.argsort()
     return torch.as_tensor(rows[order], dtype=torch.long), torch.as_tensor(cols[order], dtype=torch.long)
