@@ -148,8 +148,7 @@ def _expected_mutual_information(t_sizes: np.ndarray, p_sizes: np.ndarray, n: in
     2010); clusters of equal size contribute alike, so it runs over distinct sizes only. Overlaps
     further than 5 sqrt(min(a, b)) from their mean a b / n are left out: by Hoeffding's bound their
     probability is below 2 exp(-50) = 4e-22, far below float64 resolution of the sum."""
-    # imported here: scipy.special takes ~0.4 s to import, which every training rank would pay for a metric it
-    # only computes in `pimm test` of a panoptic run
+    # deferred: scipy.special costs every rank ~0.4 s to import; only this metric of `pimm test` needs it
     from scipy.special import gammaln
 
     a_values, a_mult = np.unique(t_sizes, return_counts=True)

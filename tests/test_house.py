@@ -12,6 +12,8 @@ import os
 import shlex
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -121,6 +123,16 @@ def test_every_import_inside_a_function_says_why_it_is_deferred():
                 if "deferred" not in said:
                     silent.append(f"{path.relative_to(REPO)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
     assert not silent, "imports inside functions without a `# deferred: why` comment:\n" + "\n".join(silent)
+
+
+def test_a_training_rank_does_not_import_scipy():
+    """scipy.optimize and scipy.special cost each rank ~0.6 CPU-s at start; the trainer and the evaluation ranks
+    import them only where the detector's matching or AMI run."""
+    code = ("import sys, pimm.engine.trainer, pimm.engine.worker, pimm.engine.evaluation; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'scipy'))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.strip()
+    assert loaded == "[]", f"a rank's imports load scipy: {loaded}"
 
 
 # -- one complete checkpoint, also while a training writes the run ---------------------------------

@@ -141,8 +141,7 @@ class MatchedMaskLosses(torch.autograd.Function):
 def assign_queries(cost: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """The Hungarian assignment (scipy's linear_sum_assignment) of a (Q, T) cost -> (query indices, target
     indices), min(Q, T) pairs, target indices ascending."""
-    # imported here: scipy.optimize takes ~0.5 s to import, which every rank of every task would pay (pimm.tasks
-    # registers this one); after the first call it is a dictionary look-up
+    # deferred: scipy.optimize costs every rank of every task ~0.5 s to import; only the detector's loss needs it
     from scipy.optimize import linear_sum_assignment
 
     rows, cols = linear_sum_assignment(cost)
