@@ -328,13 +328,14 @@ def mask_recall(mask_logits: torch.Tensor, true_instance: np.ndarray, mask_thres
     instance = torch.as_tensor(true_instance)
     labelled = instance >= 0
     masks = (mask_logits.float().sigmoid() > mask_threshold) & labelled
+    particles = torch.unique(instance[labelled]).tolist()
     found = 0
-    for t in torch.unique(instance[labelled]).tolist():
+    for t in particles:
         truth = instance == t
         overlap = (masks & truth).sum(1)
         iou = overlap / (masks | truth).sum(1).clamp(min=1)
         found += int(iou.max() >= iou_threshold)
-    return found, len(torch.unique(instance[labelled]))
+    return found, len(particles)
 
 
 @torch.no_grad()
@@ -430,7 +431,6 @@ def fmt(value: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    radii = args.radii
     try:
         detector = build_trainee("detector", args.detector_config)
         semantic = build_trainee("semantic", args.semantic_config)
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
         budget = Budget(steps=args.steps) if args.steps is not None else Budget(seconds=args.seconds)
         train(detector, semantic, train_events, budget, args.seed)
         train_wall = time.perf_counter() - start
-        sweep = choose_radii(detector.task, semantic, train_events, args.select_events, radii, args.min_samples)
+        sweep = choose_radii(detector.task, semantic, train_events, args.select_events, args.radii, args.min_samples)
         eps = {side: best_radius(ari) for side, ari in sweep.items()}
         rows, found = evaluate(detector, semantic, test_events, eps, args.min_samples)
         points = np.mean([len(test_events[i]["coord"]) for i in range(len(test_events))])
