@@ -289,8 +289,8 @@ class QueryDetector(nn.Module):
         """feat (N, in_channels), offset (B,) cumulative point counts, coord (N, 3) (needed with
         point_position) -> every layer's predictions, batched: mask logits over each event's own points.
 
-        rows (long, ascending): the rows of feat and coord the queries read (offset counts them); None: all. Only
-        those rows are projected (row-wise MLPs: a row left out costs nothing)."""
+        rows (long, ascending): the rows of feat and coord the queries read (offset counts them); None: all. The
+        projections run on every row and the rows are picked from their outputs: fewer channels to gather."""
         if self.pos_emb is not None and coord is None:
             raise ValueError("QueryDetector(point_position=True) needs coord (N, 3): pass the points' "
                              "coordinates, or build it with point_position=False")
@@ -299,10 +299,9 @@ class QueryDetector(nn.Module):
         if read != sum(counts) or min(counts) < 1:
             raise ValueError(f"offset {offset.tolist()} does not split {read} points into events of at "
                              "least one point; offset is the cumulative point count per event")
-        if rows is not None:
-            feat = feat.index_select(0, rows)
-            coord = coord.index_select(0, rows) if coord is not None else None
         slot, padding = padded_slots(counts, feat.device)
+        if rows is not None:  # slot's rows of the read points -> rows of feat; padding stays one past the last
+            slot = torch.cat([rows, rows.new_full((1,), len(feat))]).index_select(0, slot.flatten()).view_as(slot)
         points = _pad_events(self.full_point_proj(feat), slot)
         point_pos = _pad_events(self.pos_emb(coord.to(feat.dtype)), slot) if self.pos_emb is not None \
             else torch.zeros_like(points)
