@@ -68,7 +68,7 @@ def test_a_new_head_loads_partially_and_strict_refuses(tmp_path, tiny_data):
 
 
 def test_the_optimizer_is_torchs_fused_one_unless_the_config_names_an_implementation():
-    from pimm.engine.optim import build_optimizer
+    from pimm.engine.optim import build_optimizer, optimizer_implementation
 
     params = list(torch.nn.Linear(3, 2).parameters())
     for cfg, expected in ((dict(type="AdamW", lr=1e-3), (True, None)),
@@ -78,8 +78,13 @@ def test_the_optimizer_is_torchs_fused_one_unless_the_config_names_an_implementa
         optimizer = build_optimizer(cfg, params)
         assert (optimizer.defaults["fused"], optimizer.defaults["foreach"]) == expected, cfg
     cfg = dict(type="AdamW", lr=1e-3)
-    build_optimizer(cfg, params)
+    fused = build_optimizer(cfg, params)
     assert cfg == dict(type="AdamW", lr=1e-3)  # the config is left as the user wrote it
+    assert optimizer_implementation(fused) == "fused"
+    # a checkpoint written before pimm chose the fused implementation brings torch's default back with its groups
+    fused.load_state_dict(torch.optim.AdamW(params, lr=1e-3).state_dict())
+    assert optimizer_implementation(fused) == "torch default"
+    assert optimizer_implementation(build_optimizer(dict(type="SGD", lr=0.1, foreach=True), params)) == "foreach"
 
 
 @pytest.mark.parametrize("nproc,strategy", [(1, "ddp"), (2, "ddp"), (2, "fsdp2")])

@@ -253,6 +253,7 @@ def test_rank_killed_under_max_restarts_resumes_by_itself(tmp_path, tiny_data, r
     runs = attempts(run_dir)
     assert len(runs) == 2 and runs[1]["torchrun_restart"] == 1 and runs[1]["resumed_from"]
     assert runs[1]["start_step"] >= 8
+    assert runs[0]["optimizer_implementation"] == runs[1]["optimizer_implementation"] == "fused"
     assert_bitwise_equal(weights(run_dir), weights(ref))
     assert steps(run_dir) == steps(ref)
 

@@ -112,6 +112,13 @@ def build_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
     return OPTIMIZERS.build(cfg, params, **implementation)
 
 
+def optimizer_implementation(optimizer: torch.optim.Optimizer) -> str:
+    """What computes the update: 'fused', 'foreach', or 'torch default' (neither named: torch's loop over the
+    parameters on CPU, its foreach on CUDA). Read it after a resume: the groups are then the checkpoint's."""
+    group = optimizer.param_groups[0]
+    return "fused" if group.get("fused") else "foreach" if group.get("foreach") else "torch default"
+
+
 class WeightDecaySchedule:
     """The published WeightDecayScheduler (DeepLearnPhysics/pimm pimm/engines/hooks/misc.py) as a function of
     the global step: before step s (1-based) every group whose configured weight decay is > 0 takes

@@ -42,6 +42,7 @@ from pimm.engine.optim import (
     build_scheduler,
     freeze_parameters,
     group_facts,
+    optimizer_implementation,
     parameter_groups,
 )
 from pimm.engine.plot import plot_metrics
@@ -425,7 +426,8 @@ class Trainer:
         return {k: launch.get(k) for k in ("overrides", "resumed", "resume_changes", "nproc_per_node", "nnodes")}
 
     def _start_facts(self, resumed_from: str | None, cursor: str) -> dict:
-        facts = {"resumed_from": resumed_from, "start_step": self.state.step, "cursor": cursor}
+        facts = {"resumed_from": resumed_from, "start_step": self.state.step, "cursor": cursor,
+                 "optimizer_implementation": optimizer_implementation(self.optimizer)}
         if cursor == "epoch_restarted":
             facts["replay_warning"] = (
                 f"the data cursor could not be mapped: epoch {self.state.epoch + 1} restarted, so events of that "
