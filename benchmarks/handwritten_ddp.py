@@ -3,7 +3,8 @@
 This is the loop a competent person writes in one screen (nanoGPT style), using pimm only for
 the pieces both sides must share: the config file, the model, the dataset class and the collate
 function. Everything else is plain PyTorch: DistributedSampler, DataLoader, DDP, F.cross_entropy
-over all points of the batch, the config's optimizer/lr/schedule and gradient clipping.
+over all points of the batch, the config's optimizer/lr/schedule (torch's fused optimizer unless the
+config names an implementation, as pimm's) and gradient clipping.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/handwritten_ddp.py \
         --config demo/semseg --steps 120 --warmup 20 [key=value ...]
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     if world > 1:
         model = DistributedDataParallel(model)
     opt_cfg = dict(cfg["optimizer"])
+    if "fused" not in opt_cfg and "foreach" not in opt_cfg:
+        opt_cfg["fused"] = True  # torch's fused update kernel, as nanoGPT asks for it and as pimm builds it
     optimizer = getattr(torch.optim, opt_cfg.pop("type"))(model.parameters(), **opt_cfg)
     sched_cfg = dict(cfg.get("scheduler") or {})
     scheduler = None
