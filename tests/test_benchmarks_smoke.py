@@ -144,6 +144,18 @@ def test_optimizer_step_benchmark_compares_both_implementations_on_a_config(tmp_
     assert row["max_abs_difference"] < 1e-5
 
 
+def test_startup_benchmark_measures_both_modes_of_a_start_up():
+    """benchmarks/startup.py, torchrun's start-up once in each mode: one row with both CPU times and their ratio
+    (no speed asserted)."""
+    argv = [sys.executable, str(REPO / "benchmarks" / "startup.py"), "--start-up", "torchrun", "--repeats", "1"]
+    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    (row,) = [line for line in res.stdout.splitlines() if line.startswith("torchrun ")]
+    on, paused, ratio = (cell.strip() for cell in row.split("|")[1:])
+    assert float(on.split()[0]) > 0 and float(paused.split()[0]) > 0 and ratio.endswith("x"), res.stdout
+
+
 def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     """benchmarks/panoptic.py on a few small generated events, 3 s of training per model: the detector's row and
     both DBSCAN rows, the step-time ratio and the matching share (no score asserted)."""

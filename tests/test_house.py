@@ -136,6 +136,35 @@ def test_a_training_rank_does_not_import_scipy():
     assert res.stdout.strip() == "[]", f"a rank's imports load scipy: {res.stdout.strip()}"
 
 
+def _startup_in_a_fresh_interpreter(code: str) -> dict:
+    """Run `code` (which sets `result`) after counting the collector's runs; result + the generations collected."""
+    program = ("import gc, json, sys\ncollected = []\n"
+               "gc.callbacks.append(lambda phase, info: phase == 'start' and collected.append(info['generation']))\n"
+               f"{code}\nprint('RESULT', json.dumps(dict(result, frozen=gc.get_freeze_count(), enabled=gc.isenabled(), "
+               "generations=sorted(set(collected)))))")
+    res = subprocess.run([sys.executable, "-c", program], check=False, capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0"})
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.split("RESULT", 1)[1])
+
+
+def test_a_rank_and_torchrun_import_torch_with_the_collector_paused_then_frozen(tmp_path):
+    """pimm.startup.paused_gc around the imports of a rank (pimm.engine.worker) and of pimm's torchrun: no
+    full collection runs while torch is imported, its objects are frozen after, and the collector is on again."""
+    (tmp_path / "config.py").write_text("model = dict(type='NoSuchModel')\n")  # refused after the imports
+    rank = _startup_in_a_fresh_interpreter(
+        "from pimm.engine import worker\n"
+        f"result = dict(status=worker.main(['--run-dir', {str(tmp_path)!r}]), torch='torch' in sys.modules)")
+    assert rank["status"] != 0 and rank["torch"], rank  # the bad config is refused after torch was imported
+    torchrun = _startup_in_a_fresh_interpreter(
+        "from pimm.launch import torchrun\ntry:\n    torchrun.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "result = dict(torch='torch' in sys.modules)")
+    for startup in (rank, torchrun):
+        assert startup["torch"] and startup["enabled"], startup
+        assert startup["frozen"] > 100_000, f"torch's objects were not frozen after the start-up: {startup}"
+        assert 2 not in startup["generations"], f"a full collection ran while a start-up imported torch: {startup}"
+
+
 # -- one complete checkpoint, also while a training writes the run ---------------------------------
 
 

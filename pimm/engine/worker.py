@@ -19,6 +19,7 @@ from pimm.engine.failure import exit_now, report_failure, write_error
 from pimm.engine.logs import setup_logging
 from pimm.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINTED
 from pimm.signals import StopRequest, die_with_parent, tell_launcher_to_stop
+from pimm.startup import paused_gc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.raiseExceptions = False  # a log line that a full disk refuses must not print a traceback per call
     log = setup_logging(run_dir / "logs", rank)
     try:
-        # deferred: torch and the trainer take seconds to import; the stop handler is installed first
-        from pimm.distributed.env import destroy_distributed, init_distributed
-        from pimm.engine.trainer import Interrupted, Trainer
+        with paused_gc():  # torch's import makes objects that live as long as the rank (pimm.startup)
+            # deferred: torch and the trainer take seconds to import; the stop handler is installed first
+            from pimm.distributed.env import destroy_distributed, init_distributed
+            from pimm.engine.trainer import Interrupted, Trainer
 
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         log.info("rank %d pid %d (torchrun restart %d)", rank, os.getpid(), restart)

@@ -15,15 +15,10 @@ import socket
 import sys
 from pathlib import Path
 
-import torch.distributed.elastic.multiprocessing.api as elastic_api
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
-from torch.distributed.run import parse_args, run
-
 from pimm.engine.failure import REPORT_DIR_ENV
 from pimm.launch.node import first_causes
 from pimm.signals import handle_once
+from pimm.startup import paused_gc
 
 _signalled: set[int] = set()  # pids of the workers torchrun signalled (to stop the group)
 
@@ -36,8 +31,8 @@ def _remember_signalled(close):
     return close_and_remember
 
 
-def failures_of(exc: ChildFailedError) -> list[dict]:
-    """Each failed rank as torchrun saw it, in the order it noticed them."""
+def failures_of(exc) -> list[dict]:
+    """Each failed rank as torchrun saw it (exc: its ChildFailedError), in the order it noticed them."""
     host = socket.gethostname()
     return [
         {"rank": rank, "local_rank": f.local_rank, "pid": f.pid, "host": host, "exitcode": f.exitcode,
@@ -48,6 +43,14 @@ def failures_of(exc: ChildFailedError) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with paused_gc():  # torch's import makes objects that live as long as torchrun (pimm.startup)
+        # deferred: torch's import runs with the collector paused, which a module-level import cannot do
+        import torch.distributed.elastic.multiprocessing.api as elastic_api
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+        from torch.distributed.run import parse_args, run
+
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if "SIGUSR1" not in args.signals_to_handle:
         args.signals_to_handle += ",SIGUSR1"
