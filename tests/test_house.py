@@ -148,18 +148,23 @@ def _startup_in_a_fresh_interpreter(code: str) -> dict:
     return json.loads(res.stdout.split("RESULT", 1)[1])
 
 
-def test_a_rank_and_torchrun_import_torch_with_the_collector_paused_then_frozen(tmp_path):
-    """pimm.startup.paused_gc around the imports of a rank (pimm.engine.worker) and of pimm's torchrun: no
+def test_ranks_and_torchrun_import_torch_with_the_collector_paused_then_frozen(tmp_path):
+    """pimm.startup.paused_gc around the imports of a training rank (pimm.engine.worker), an evaluation rank
+    (pimm.engine.eval_worker) and pimm's torchrun: no
     full collection runs while torch is imported, its objects are frozen after, and the collector is on again."""
     (tmp_path / "config.py").write_text("model = dict(type='NoSuchModel')\n")  # refused after the imports
     rank = _startup_in_a_fresh_interpreter(
         "from pimm.engine import worker\n"
         f"result = dict(status=worker.main(['--run-dir', {str(tmp_path)!r}]), torch='torch' in sys.modules)")
     assert rank["status"] != 0 and rank["torch"], rank  # the bad config is refused after torch was imported
+    evaluation = _startup_in_a_fresh_interpreter(
+        "from pimm.engine import eval_worker\n"
+        f"result = dict(status=eval_worker.main(['--eval-dir', {str(tmp_path)!r}]), torch='torch' in sys.modules)")
+    assert evaluation["status"] == 2 and evaluation["torch"], evaluation  # no eval.json: refused after the imports
     torchrun = _startup_in_a_fresh_interpreter(
         "from pimm.launch import torchrun\ntry:\n    torchrun.main(['--help'])\nexcept SystemExit:\n    pass\n"
         "result = dict(torch='torch' in sys.modules)")
-    for startup in (rank, torchrun):
+    for startup in (rank, evaluation, torchrun):
         assert startup["torch"] and startup["enabled"], startup
         assert startup["frozen"] > 100_000, f"torch's objects were not frozen after the start-up: {startup}"
         assert 2 not in startup["generations"], f"a full collection ran while a start-up imported torch: {startup}"

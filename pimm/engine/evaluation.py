@@ -1,6 +1,6 @@
 """Evaluation: the one loop over an evaluation loader that validation during training, `pimm test`
-and `pimm predict` share, and the rank side of the last two (`python -m pimm.engine.evaluation
---eval-dir D`, started by torchrun from pimm.launch.evaluate).
+and `pimm predict` share, and the rank side of the last two (`main`, which torchrun runs from
+pimm.launch.evaluate as `python -m pimm.engine.eval_worker --eval-dir D`).
 
 Every event is evaluated exactly once over the ranks (ShardedEvalSampler). Metrics come from an
 int64 confusion matrix all-reduced over ranks, so they are the same at any world size; the loss
@@ -47,7 +47,7 @@ from pimm.distributed.batch import plan_batches
 from pimm.distributed.env import DistEnv, all_reduce_max, barrier, destroy_distributed, init_distributed
 from pimm.distributed.strategy import build_strategy
 from pimm.engine.eval_dir import EVAL_SPEC, METRICS_FILE, PREDICTIONS_FILE, read_spec
-from pimm.engine.failure import exit_now, report_failure
+from pimm.engine.failure import report_failure
 from pimm.engine.logs import setup_logging
 from pimm.engine.plot import plot_confusion
 from pimm.files import write_atomic
@@ -356,11 +356,11 @@ def _predict(eval_dir: Path, spec: dict, env: DistEnv) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pimm.engine.evaluation")
+    parser = argparse.ArgumentParser(prog="pimm.engine.eval_worker")
     parser.add_argument("--eval-dir", type=Path, required=True)
     eval_dir: Path = parser.parse_args(argv).eval_dir
     if not (eval_dir / EVAL_SPEC).is_file():
-        print(f"pimm.engine.evaluation: error: {eval_dir / EVAL_SPEC} does not exist; start evaluations with "
+        print(f"pimm.engine.eval_worker: error: {eval_dir / EVAL_SPEC} does not exist; start evaluations with "
               "`pimm test` (or `pimm predict`)", file=sys.stderr)
         return 2
     die_with_parent()  # no rank outlives torchrun
@@ -375,7 +375,3 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except BaseException as exc:
         return report_failure(exc, eval_dir, rank, log)
-
-
-if __name__ == "__main__":
-    exit_now(main())

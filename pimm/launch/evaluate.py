@@ -4,7 +4,7 @@ launch plan that the node agent runs when the training finished) and `pimm predi
 Everything that can be checked is checked before a process starts. Then the weights are held
 (pimm.checkpoint.choose.hold_weights: the weights, step and hash of one complete checkpoint, also
 while a training rotates the run's checkpoints), the evaluation directory is written
-(pimm.engine.eval_dir) and torchrun runs `python -m pimm.engine.evaluation --eval-dir D` on it;
+(pimm.engine.eval_dir) and torchrun runs `python -m pimm.engine.eval_worker --eval-dir D` on it;
 rank 0 writes the results there.
 """
 
@@ -36,7 +36,7 @@ from pimm.launch.process import run_torchrun
 def eval_torchrun_argv(eval_dir: Path, nproc: int) -> list[str]:
     """torchrun of `nproc` evaluation ranks on this machine over the evaluation directory."""
     return [sys.executable, "-m", "pimm.launch.torchrun", "--standalone", "--nnodes", "1",
-            "--nproc-per-node", str(nproc), "--max-restarts", "0", "-m", "pimm.engine.evaluation",
+            "--nproc-per-node", str(nproc), "--max-restarts", "0", "-m", "pimm.engine.eval_worker",
             "--eval-dir", str(eval_dir)]
 
 

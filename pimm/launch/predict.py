@@ -1,7 +1,7 @@
 """The launcher side of `pimm predict`: the model and weights of a run (or a `pimm export`
 directory), the data read as the model's training inputs were, and the ranks over a hidden scratch
 directory beside the output file (`.NAME.pimm-predict/`: eval.json, the held weights, per-rank
-parts, logs, errors). The ranks are `python -m pimm.engine.evaluation --eval-dir SCRATCH` (the
+parts, logs, errors). The ranks are `python -m pimm.engine.eval_worker --eval-dir SCRATCH` (the
 `pimm test` worker, with "predict": true: the plain model, every event once, no loss and no
 metrics); the scratch directory is removed once the merged file is in place, and kept and named
 after a failure.

@@ -1,0 +1,20 @@
+"""What each torchrun process of `pimm test` and `pimm predict` runs: `python -m pimm.engine.eval_worker
+--eval-dir D`. It imports the evaluation (torch, the models, the tasks) with the garbage collector paused
+(pimm.startup), as a training rank does, then runs pimm.engine.evaluation.main over D.
+"""
+
+from __future__ import annotations
+
+from pimm.engine.failure import exit_now
+from pimm.startup import paused_gc
+
+
+def main(argv: list[str] | None = None) -> int:
+    with paused_gc():  # torch's import makes objects that live as long as the rank (pimm.startup)
+        # deferred: torch's import runs with the collector paused, which a module-level import cannot do
+        from pimm.engine.evaluation import main as evaluation_main
+    return evaluation_main(argv)
+
+
+if __name__ == "__main__":
+    exit_now(main())
