@@ -17,6 +17,7 @@ Run the scripts as files (`python benchmarks/throughput.py`): their folder is th
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
@@ -94,6 +95,11 @@ class OtherLoad:
         if busy0 is not None and busy1 is not None and wall > 0:
             self.cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
 
+    @staticmethod
+    def text(cores: float | None) -> str:
+        """An `other cores` table cell: the cores, or 'unknown'."""
+        return "unknown" if cores is None else f"{cores:.2f}"
+
 
 @dataclass
 class Wait:
@@ -148,6 +154,11 @@ class QuietGate:
                      f"quiet is < {self.threshold:g}); measuring anyway")
         return wait
 
+    def report(self) -> None:
+        """Say summary() where the gate waited at all."""
+        if self.waits:
+            self.say(self.summary())
+
     def summary(self) -> str:
         """'waited 95s in all for a quiet machine (6 waits, 1 of them still busy at the limit)', or ''."""
         if not self.waits:
@@ -188,3 +199,11 @@ class Spread:
 
     def as_dict(self) -> dict[str, float]:
         return {"median": self.median, "low": self.low, "high": self.high, "n": self.n}
+
+
+def write_results(out: Path | None, args: argparse.Namespace, results: list[dict]) -> None:
+    """--out FILE: the settings (every argument but --out) and the results as JSON (nothing without --out)."""
+    if out is None:
+        return
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    out.write_text(json.dumps({"settings": settings, "results": results}, indent=1) + "\n")

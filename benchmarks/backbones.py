@@ -212,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name}: {row['steps']} steps in {row['train_s']:.0f}s, val mIoU {row['miou']:.4f}", flush=True)
             runs[name].append(row)
     print(table([summarise(runs[name]) for name in args.configs]))
-    if gate.summary():
-        print(gate.summary())
+    gate.report()
     return 0
 
 

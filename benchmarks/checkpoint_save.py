@@ -71,8 +71,7 @@ def main() -> None:
     # the stall of each repeat: its async save's blocking time over its sync save's
     stall = Spread.of([a[0] / max(s[0], 1e-9) for a, s in zip(runs["async"], runs["sync"])])
     print(f"the async stall is {stall.format('.1%')} of a synchronous save's blocking time (goal <= 10%)")
-    if gate.summary():
-        print(gate.summary())
+    gate.report()
 
 
 if __name__ == "__main__":

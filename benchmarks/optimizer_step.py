@@ -17,13 +17,12 @@ printed: the same update, computed in another order).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _timing import OtherLoad, QuietGate, Spread, abba, add_arguments
+from _timing import OtherLoad, QuietGate, Spread, abba, add_arguments, write_results
 
 from pimm.config import load_config, resolve_config_path
 from pimm.config.paths import config_roots
@@ -112,10 +111,9 @@ def table(rows: list[dict]) -> str:
             f"{'torch default ms':>20} {'ratio':>6} | {'max difference':>14} {'other cores':>11}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        other = "unknown" if r["other_cores"] is None else f"{r['other_cores']:.2f}"
         lines.append(f"{r['config']:>28} {r['optimizer']:>9} {r['tensors']:>7} {r['elements']:>9} | "
                      f"{r['ms']['pimm'].format('.2f'):>20} {r['ms']['torch default'].format('.2f'):>20} "
-                     f"{r['ratio']:>6.2f} | {r['max_abs_difference']:>14.1e} {other:>11}")
+                     f"{r['ratio']:>6.2f} | {r['max_abs_difference']:>14.1e} {OtherLoad.text(r['other_cores']):>11}")
     return "\n".join(lines)
 
 
@@ -127,12 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     gate = QuietGate.from_args(args, say=lambda line: print(line, flush=True))
     rows = [measure(args, config, gate) for config in args.config]
     print(table(rows))
-    if gate.summary():
-        print(gate.summary())
-    if args.out:
-        settings = {k: v for k, v in vars(args).items() if k != "out"}
-        results = [{**r, "ms": {s: v.as_dict() for s, v in r["ms"].items()}} for r in rows]
-        args.out.write_text(json.dumps({"settings": settings, "results": results}, indent=1) + "\n")
+    gate.report()
+    write_results(args.out, args, [{**r, "ms": {s: v.as_dict() for s, v in r["ms"].items()}} for r in rows])
     return 0
 
 

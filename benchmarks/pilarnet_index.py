@@ -79,8 +79,7 @@ def main() -> None:
     print(f"start from the cached index:      {spread('cached', 1e3).format('.1f')} ms "
           f"({fraction.format('.3f')} of the build)")
     print(f"random __getitem__ (one process): {rate('reads', args.reads).format('.0f')} events/s")
-    if gate.summary():
-        print(gate.summary())
+    gate.report()
 
 
 if __name__ == "__main__":

@@ -28,14 +28,13 @@ before anything is timed.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _timing import OtherLoad, QuietGate, Spread, abba, add_arguments
+from _timing import OtherLoad, QuietGate, Spread, abba, add_arguments, write_results
 
 from pimm.data.synth import distinct_voxels
 from pimm.models.sparse_conv import SubMConv3d, VoxelSites
@@ -134,11 +133,11 @@ def table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         ms = r["ms"]
-        other = "unknown" if r["other_cores"] is None else f"{r['other_cores']:.2f}"
         lines.append(f"{r['points_per_event']:>12} {r['channels']:>8} {r['pairs_per_site']:>10.2f} | "
                      f"{ms['pimm']['new'].format('.2f'):>20} {ms['spconv']['new'].format('.2f'):>20} "
                      f"{r['ratio_new']:>6.2f} | {ms['pimm']['reused'].format('.2f'):>20} "
-                     f"{ms['spconv']['reused'].format('.2f'):>20} {r['ratio_reused']:>6.2f} | {other:>11}")
+                     f"{ms['spconv']['reused'].format('.2f'):>20} {r['ratio_reused']:>6.2f} | "
+                     f"{OtherLoad.text(r['other_cores']):>11}")
     return "\n".join(lines)
 
 
@@ -162,13 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  WARNING: the two outputs differ by {r['max_abs_difference']:.2g}: one side computes "
                       "something else (spconv's CPU path is the tests' reference only single-threaded)", flush=True)
     print(table(rows))
-    if gate.summary():
-        print(gate.summary())
-    if args.out:
-        settings = {k: v for k, v in vars(args).items() if k != "out"}
-        results = [{**r, "ms": {s: {k: v.as_dict() for k, v in kinds.items()} for s, kinds in r["ms"].items()}}
-                   for r in rows]
-        args.out.write_text(json.dumps({"settings": settings, "results": results}, indent=1) + "\n")
+    gate.report()
+    write_results(args.out, args, [
+        {**r, "ms": {s: {k: v.as_dict() for k, v in kinds.items()} for s, kinds in r["ms"].items()}} for r in rows])
     return 0
 
 

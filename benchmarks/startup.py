@@ -67,8 +67,7 @@ def main() -> None:
             cpu[mode].append(child_cpu_s(program(name, mode)))
         on, paused = (Spread.of(cpu[mode]) for mode in MODES)
         print(f"{name:9} | {on.format('.2f'):>22} | {paused.format('.2f'):>22} | {on.median / paused.median:.2f}x")
-    if gate.summary():
-        print(gate.summary())
+    gate.report()
 
 
 if __name__ == "__main__":

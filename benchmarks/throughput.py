@@ -482,8 +482,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.warmup} and {args.steps}; 'own windows': pimm's metrics.jsonl rate (logging time left out). "
           f"Medians over {args.repeats} repeats, [lowest..highest] beside them; the ratio is the ratio of the "
           "medians, its [..] the lowest and highest ratio of one repeat's pair.")
-    if gate.summary():
-        print(gate.summary())
+    gate.report()
     print(f"total time {elapsed:.0f}s")
 
     result = {
