@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 from conftest import REPO
 
@@ -217,22 +218,31 @@ def test_panoptic_benchmark_steps_budget_trains_each_model_that_many_steps(tmp_p
     assert both.returncode == 2 and "--seconds 5 and --steps 3 are two budgets: give one of them" in both.stderr
 
 
-def test_panoptic_benchmark_refuses_what_it_cannot_run_with_one_line():
+def test_panoptic_benchmark_refuses_what_it_cannot_run_with_one_line(capsys):
     """A radius that is no positive number is refused by the argument check (exit 2, nothing generated); a
     config that is not there, or a semantic config that is no SemanticSegmentation, ends with one line naming
-    it, not a traceback."""
-    command = [sys.executable, str(REPO / "benchmarks" / "panoptic.py"), "--steps", "1", "--events", "8"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for args, code, message in (
+    it, not a traceback: the script once as a command, the other refusals through its main()."""
+    args = ["--steps", "1", "--events", "8"]
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "panoptic.py"), *args, "--detector-config",
+                          "bench/nope"], cwd=REPO, capture_output=True, text=True, timeout=180, check=False,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 1, res.stdout + res.stderr
+    (line,) = res.stderr.strip().splitlines()  # one line, no traceback
+    assert line.startswith("benchmarks/panoptic.py: config 'bench/nope' not found"), line
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from panoptic import main
+
+    for more, code, message in (
             (["--eps", "4,,8"], 2, "--eps '4,,8' is not a comma-separated list of numbers"),
             (["--eps", "-1"], 2, "--eps '-1': every DBSCAN radius must be a positive number of voxels"),
-            (["--detector-config", "bench/nope"], 1, "config 'bench/nope' not found"),
-            (["--semantic-config", "bench/panoptic_detector"], 1,
+            (["--semantic-config", "bench/panoptic_detector"], None,
              "--semantic-config has task type Panoptic; it must be SemanticSegmentation")):
-        res = subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=180, check=False,
-                             env=env)
-        assert res.returncode == code and message in res.stderr, (args, res.stdout + res.stderr)
-        assert "Traceback" not in res.stderr, res.stderr
+        with pytest.raises(SystemExit) as refused:
+            main([*args, *more])
+        if code is None:  # raised with its message: Python prints the one line and exits with 1
+            assert message in str(refused.value.code), (more, refused.value.code)
+        else:  # argparse: usage and the message on stderr, exit 2
+            assert refused.value.code == code and message in capsys.readouterr().err, more
 
 
 def test_mask_recall_counts_the_particles_some_query_mask_covers_at_the_iou_threshold():
