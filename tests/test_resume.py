@@ -76,19 +76,37 @@ def interrupted_at_8(tmp_path_factory, tiny_data):
     return run_dir
 
 
+def _one_epoch(batch: int) -> tuple[str, ...]:
+    return (f"batch_size={batch}", f"batch_size_val={batch}", "epochs=1")
+
+
+@pytest.fixture(scope="module")
+def stopped_at_3(tmp_path_factory, tiny_data):
+    """(ranks, batch) -> a one-epoch run of that many ranks and global batch, loader workers off, stopped at
+    step 3 (status 75): made once per key and shared by the parameters that start from it; each test resumes
+    its own copy."""
+    runs = {}
+
+    def get(ranks: int, batch: int):
+        if (ranks, batch) not in runs:
+            res, runs[ranks, batch] = launch(tmp_path_factory.mktemp(f"at3-{ranks}x{batch}"), tiny_data, ranks,
+                                             *_one_epoch(batch), "num_worker=0", "debug.interrupt_at_step=3")
+            assert res.returncode == 75, res.stderr
+        return runs[ranks, batch]
+
+    return get
+
+
 @pytest.mark.parametrize(
-    "before,after,batch,workers",
-    [(1, 2, 4, (0, 0)), (2, 1, 4, (0, 0)), (2, 3, 6, (0, 0)), (2, 2, 4, (0, 2))],
+    "before,after,batch,workers_after",
+    [(1, 2, 4, 0), (2, 1, 4, 0), (2, 3, 6, 0), (2, 2, 4, 2)],
     ids=["1to2", "2to1", "2to3", "workers0to1"],
 )
-def test_topology_change_continues_mid_epoch_without_replay_or_skip(tmp_path, tiny_data, one_rank_epoch, before,
-                                                                  after, batch, workers):
-    common = (f"batch_size={batch}", f"batch_size_val={batch}", "epochs=1")
+def test_topology_change_continues_mid_epoch_without_replay_or_skip(tmp_path, tiny_data, one_rank_epoch, stopped_at_3,
+                                                                  before, after, batch, workers_after):
     ref = one_rank_epoch(batch)
-    res, run_dir = launch(tmp_path, tiny_data, before, *common, f"num_worker={workers[0]}",
-                          "debug.interrupt_at_step=3")
-    assert res.returncode == 75, res.stderr
-    res, run_dir = launch(tmp_path, tiny_data, after, *common, f"num_worker={workers[1]}", resume=True)
+    exp = copy_exp(stopped_at_3(before, batch), tmp_path)
+    res, run_dir = launch(exp, tiny_data, after, *_one_epoch(batch), f"num_worker={workers_after}", resume=True)
     assert res.returncode == 0, res.stderr
     first_epoch = {step: ids for step, ids in steps(ref).items() if step <= 48 // batch}
     assert steps(run_dir) == first_epoch  # every global step consumed the same events
@@ -96,6 +114,7 @@ def test_topology_change_continues_mid_epoch_without_replay_or_skip(tmp_path, ti
     assert len(seen) == len(set(seen)) == 48 // batch * batch
     resumed = attempts(run_dir)[-1]
     assert resumed["cursor"] == "remapped" and resumed["world_size"] == after
+    assert resumed["workers_per_rank"] == workers_after // after  # num_worker is the global count
     for step, loss in losses(run_dir).items():  # float summation order differs across topologies
         assert abs(loss - losses(ref)[step]) <= 1e-4 * loss
 
