@@ -19,11 +19,10 @@ The two alternate (ABBA); each cell is the median of the repeats with their spre
 from __future__ import annotations
 
 import argparse
-import resource
 import subprocess
 import sys
 
-from _timing import QuietGate, Spread, abba, add_arguments
+from _timing import QuietGate, Spread, abba, add_arguments, own_cpu_s
 
 # start-up -> (what pimm imports under paused_gc, what it imports after, with the collector back on)
 IMPORTS = {
@@ -44,11 +43,11 @@ def program(name: str, mode: str) -> str:
 
 
 def child_cpu_s(code: str) -> float:
-    """User + system CPU seconds of `python -c code`, read from the kernel's accounting of children."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    """CPU seconds of `python -c code` (user + system, the kernel's accounting of the finished child; this
+    process's own milliseconds of starting and waiting for it included)."""
+    start = own_cpu_s()
     subprocess.run([sys.executable, "-c", code], check=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return own_cpu_s() - start
 
 
 def main() -> None:

@@ -125,19 +125,9 @@ def test_every_import_inside_a_function_says_why_it_is_deferred():
     assert not silent, "imports inside functions without a `# deferred: why` comment:\n" + "\n".join(silent)
 
 
-def test_a_training_rank_does_not_import_scipy():
-    """scipy.optimize and scipy.special cost each rank ~0.6 CPU-s at start; the trainer and the evaluation ranks
-    import them only where the detector's matching or AMI run."""
-    code = ("import sys, pimm.engine.trainer, pimm.engine.worker, pimm.engine.evaluation; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'scipy'))")
-    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "[]", f"a rank's imports load scipy: {res.stdout.strip()}"
-
-
-def _startup_in_a_fresh_interpreter(code: str) -> dict:
-    """Run `code` (which sets `result`) after counting the collector's runs; result + the generations collected."""
+def _in_a_fresh_interpreter(code: str) -> dict:
+    """Run `code` (which sets the dict `result`) in a new Python process that counts the garbage collector's
+    runs; returns `result` with the collector's state after it: frozen objects, enabled, generations collected."""
     program = ("import gc, json, sys\ncollected = []\n"
                "gc.callbacks.append(lambda phase, info: phase == 'start' and collected.append(info['generation']))\n"
                f"{code}\nprint('RESULT', json.dumps(dict(result, frozen=gc.get_freeze_count(), enabled=gc.isenabled(), "
@@ -148,20 +138,29 @@ def _startup_in_a_fresh_interpreter(code: str) -> dict:
     return json.loads(res.stdout.split("RESULT", 1)[1])
 
 
+def test_a_training_rank_does_not_import_scipy():
+    """scipy.optimize and scipy.special cost each rank ~0.6 CPU-s at start; the trainer and the evaluation ranks
+    import them only where the detector's matching or AMI run."""
+    loaded = _in_a_fresh_interpreter(
+        "import pimm.engine.trainer, pimm.engine.worker, pimm.engine.evaluation\n"
+        "result = dict(scipy=sorted(m for m in sys.modules if m.split('.')[0] == 'scipy'))")
+    assert loaded["scipy"] == [], f"a rank's imports load scipy: {loaded['scipy']}"
+
+
 def test_ranks_and_torchrun_import_torch_with_the_collector_paused_then_frozen(tmp_path):
     """pimm.startup.paused_gc around the imports of a training rank (pimm.engine.worker), an evaluation rank
-    (pimm.engine.eval_worker) and pimm's torchrun: no
-    full collection runs while torch is imported, its objects are frozen after, and the collector is on again."""
+    (pimm.engine.eval_worker) and pimm's torchrun: no full collection runs while torch is imported, its
+    objects are frozen after, and the collector is on again."""
     (tmp_path / "config.py").write_text("model = dict(type='NoSuchModel')\n")  # refused after the imports
-    rank = _startup_in_a_fresh_interpreter(
+    rank = _in_a_fresh_interpreter(
         "from pimm.engine import worker\n"
         f"result = dict(status=worker.main(['--run-dir', {str(tmp_path)!r}]), torch='torch' in sys.modules)")
     assert rank["status"] != 0 and rank["torch"], rank  # the bad config is refused after torch was imported
-    evaluation = _startup_in_a_fresh_interpreter(
+    evaluation = _in_a_fresh_interpreter(
         "from pimm.engine import eval_worker\n"
         f"result = dict(status=eval_worker.main(['--eval-dir', {str(tmp_path)!r}]), torch='torch' in sys.modules)")
     assert evaluation["status"] == 2 and evaluation["torch"], evaluation  # no eval.json: refused after the imports
-    torchrun = _startup_in_a_fresh_interpreter(
+    torchrun = _in_a_fresh_interpreter(
         "from pimm.launch import torchrun\ntry:\n    torchrun.main(['--help'])\nexcept SystemExit:\n    pass\n"
         "result = dict(torch='torch' in sys.modules)")
     for startup in (rank, evaluation, torchrun):
