@@ -9,10 +9,19 @@ from pimm.engine.failure import exit_now
 from pimm.startup import paused_gc
 
 
-def main(argv: list[str] | None = None) -> int:
-    with paused_gc():  # torch's import makes objects that live as long as the rank (pimm.startup)
+def preload() -> None:
+    """Import the evaluation (torch, the models, the tasks) with the collector paused (pimm.startup). pimm's
+    torchrun calls it before it forks the ranks (pimm.launch.forked_rank), which then find it all imported."""
+    with paused_gc():  # torch's import makes objects that live as long as the process
         # deferred: torch's import runs with the collector paused, which a module-level import cannot do
-        from pimm.engine.evaluation import main as evaluation_main
+        import pimm.engine.evaluation  # noqa: F401
+
+
+def main(argv: list[str] | None = None) -> int:
+    preload()  # done already when torchrun forked this rank (pimm.launch.forked_rank)
+    # deferred: imported by preload
+    from pimm.engine.evaluation import main as evaluation_main
+
     return evaluation_main(argv)
 
 

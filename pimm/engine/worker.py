@@ -22,6 +22,15 @@ from pimm.signals import StopRequest, die_with_parent, tell_launcher_to_stop
 from pimm.startup import paused_gc
 
 
+def preload() -> None:
+    """Import what a rank runs (torch, the trainer) with the collector paused (pimm.startup). pimm's torchrun
+    calls it before it forks the ranks (pimm.launch.forked_rank), which then find it all imported."""
+    with paused_gc():  # torch's import makes objects that live as long as the process
+        # deferred: torch and the trainer take seconds to import; a rank installs its stop handler first
+        import pimm.distributed.env  # noqa: F401
+        import pimm.engine.trainer  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pimm.engine.worker")
     parser.add_argument("--run-dir", type=Path, required=True)
@@ -42,10 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.raiseExceptions = False  # a log line that a full disk refuses must not print a traceback per call
     log = setup_logging(run_dir / "logs", rank)
     try:
-        with paused_gc():  # torch's import makes objects that live as long as the rank (pimm.startup)
-            # deferred: torch and the trainer take seconds to import; the stop handler is installed first
-            from pimm.distributed.env import destroy_distributed, init_distributed
-            from pimm.engine.trainer import Interrupted, Trainer
+        preload()  # done already when torchrun forked this rank (pimm.launch.forked_rank)
+        # deferred: imported by preload, after the stop handler is installed
+        from pimm.distributed.env import destroy_distributed, init_distributed
+        from pimm.engine.trainer import Interrupted, Trainer
 
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         log.info("rank %d pid %d (torchrun restart %d)", rank, os.getpid(), restart)

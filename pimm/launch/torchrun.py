@@ -9,6 +9,7 @@ rank that failed first; run on its own it prints one line per failed rank, that 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from pimm.engine.failure import REPORT_DIR_ENV
+from pimm.launch import forked_rank
 from pimm.launch.node import first_causes
 from pimm.signals import handle_once
 from pimm.startup import paused_gc
@@ -29,6 +31,16 @@ def _remember_signalled(close):
         return close(self, death_sig)
 
     return close_and_remember
+
+
+def _fork_pimm_ranks(popen, entry):
+    """SubprocessHandler._popen that forks pimm's ranks from this process (pimm.launch.forked_rank)."""
+    def popen_or_fork(self, args, env):
+        if forked_rank.forked_module(args) != entry.__name__:
+            return popen(self, args, env)
+        return forked_rank.start(entry, args, env, self._stdout, self._stderr)
+
+    return popen_or_fork
 
 
 def failures_of(exc) -> list[dict]:
@@ -58,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     # job, or forwarded by pimm launch) would otherwise abort it and orphan the workers
     elastic_api._terminate_process_handler = handle_once(elastic_api._terminate_process_handler)
     SubprocessHandler.close = _remember_signalled(SubprocessHandler.close)
+    if args.module and args.training_script in forked_rank.ENTRY_MODULES and forked_rank.forking_wanted():
+        entry = importlib.import_module(args.training_script)
+        entry.preload()  # the ranks' imports, made once here for every rank forked from this process
+        SubprocessHandler._popen = _fork_pimm_ranks(SubprocessHandler._popen, entry)
     report_dir = os.environ.get(REPORT_DIR_ENV)
     try:
         run(args)
