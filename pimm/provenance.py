@@ -20,6 +20,7 @@ from pathlib import Path
 import pimm
 from pimm.files import write_atomic
 from pimm.json_io import dumps
+from pimm.startup import rank_start
 
 PROVENANCE = "provenance.json"
 log = logging.getLogger("pimm")
@@ -116,6 +117,8 @@ class Provenance:
             "python": platform.python_version(),
             "host": platform.node(),
             "torchrun_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "rank_start": rank_start(),
+            "torch_threads": torch.get_num_threads(),
             "slurm": _slurm_facts(),
             **fields,
         }

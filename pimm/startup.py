@@ -13,9 +13,29 @@ everything would cost each process.
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+FORKED_RANK_ENV = "PIMM_FORKED_RANK"  # set in a rank that pimm's torchrun forked (pimm.launch.forked_rank)
+
+
+def rank_start() -> str:
+    """How this rank's process began: "fork" of pimm's torchrun, or "exec" (a new interpreter)."""
+    return "fork" if os.environ.get(FORKED_RANK_ENV) == "1" else "exec"
+
+
+def name_this_process(name: str) -> None:
+    """The name `top` and `ps -o comm` show (Linux keeps 15 characters); no-op elsewhere. A forked rank
+    would otherwise carry the name torch gave torchrun's process."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+_PR_SET_NAME = 15
 
 
 @contextmanager

@@ -157,6 +157,20 @@ def test_startup_benchmark_measures_both_modes_of_a_start_up():
     assert float(on.split()[0]) > 0 and float(paused.split()[0]) > 0 and ratio.endswith("x"), res.stdout
 
 
+def test_rank_start_benchmark_times_a_launch_of_each_start():
+    """benchmarks/rank_start.py, one 1-rank launch of each start: a CPU row and a wall row with both
+    numbers and their ratio (no speed asserted)."""
+    argv = [sys.executable, str(REPO / "benchmarks" / "rank_start.py"), "--nproc", "1", "--repeats", "1"]
+    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line for line in res.stdout.splitlines() if line.startswith(("CPU s", "wall s"))]
+    assert len(rows) == 2, res.stdout
+    for row in rows:
+        new, forked, ratio = (cell.strip() for cell in row.split("|")[1:])
+        assert float(new.split()[0]) > 0 and float(forked.split()[0]) > 0 and ratio.endswith("x"), res.stdout
+
+
 def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     """benchmarks/panoptic.py on a few small generated events, 3 s of training per model: the detector's row and
     both DBSCAN rows, the step-time ratio and the matching share (no score asserted)."""

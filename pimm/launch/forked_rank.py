@@ -9,7 +9,10 @@ a child of torchrun in a session of its own (torchrun signals the whole group), 
 output and error where torchrun sends them, unbuffered, torchrun's environment for that rank
 (RANK, LOCAL_RANK, MASTER_ADDR, ...), the signal dispositions of a new interpreter, and
 OMP_NUM_THREADS applied (the OpenMP runtime read it when torchrun loaded torch). Nothing has
-touched CUDA in torchrun's process, so a forked rank initialises it as a new one does.
+touched CUDA in torchrun's process, so a forked rank initialises it as a new one does. The rank
+keeps torchrun's command line (`ps` shows it) and is named pimm-rank-R (`top`, `ps -o comm`).
+torch's own elastic_launch starts a function's ranks the same way (start_method="fork"), from an
+agent with the same rendezvous store and threads.
 
 Any other command (a user's script, a command wrapped for NUMA binding) starts as torchrun starts
 it. PIMM_RANK_START=exec makes pimm's ranks start that way too (a new interpreter each).
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from pimm.engine.failure import exit_now
+from pimm.startup import FORKED_RANK_ENV, name_this_process
 
 RANK_START_ENV = "PIMM_RANK_START"
 ENTRY_MODULES = ("pimm.engine.worker", "pimm.engine.eval_worker")
@@ -47,6 +51,13 @@ def forked_module(args: tuple[str, ...]) -> str | None:
 
 def forking_wanted() -> bool:
     return os.environ.get(RANK_START_ENV, "fork") != "exec"
+
+
+def cuda_untouched() -> bool:
+    """A child forked after CUDA was initialised cannot use it; pimm's torchrun never initialises it, and
+    if something did, the ranks start as new interpreters."""
+    torch = sys.modules.get("torch")
+    return torch is None or not torch.cuda.is_initialized()
 
 
 class ForkedRank:
@@ -103,7 +114,8 @@ def _run_rank(main: Callable[[list[str]], int], argv: list[str], env: dict[str, 
             if callable(handler) and handler is not signal.default_int_handler:
                 signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         os.environ.clear()
-        os.environ.update(env)
+        os.environ.update(env, **{FORKED_RANK_ENV: "1"})
+        name_this_process(f"pimm-rank-{env.get('RANK', '?')}")
         sys.stdout.reconfigure(write_through=True)  # python -u, as torchrun starts a rank
         sys.stderr.reconfigure(write_through=True)
         _apply_thread_count(env)

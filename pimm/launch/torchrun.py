@@ -5,6 +5,10 @@ traceback from inside torch.distributed.elastic. Instead, under `pimm launch` th
 each failed rank ended (exit status or signal, and whether torchrun itself signalled it while
 shutting the group down) to `$PIMM_REPORT_DIR/torchrun.json`, from which the launcher names the
 rank that failed first; run on its own it prints one line per failed rank, that one first.
+
+pimm's own ranks (`-m pimm.engine.worker`, `-m pimm.engine.eval_worker`) are forked from this
+process after it has imported what they import, once (pimm.launch.forked_rank); any other
+command, or every rank with PIMM_RANK_START=exec, starts as torchrun starts it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def _remember_signalled(close):
 def _fork_pimm_ranks(popen, entry):
     """SubprocessHandler._popen that forks pimm's ranks from this process (pimm.launch.forked_rank)."""
     def popen_or_fork(self, args, env):
-        if forked_rank.forked_module(args) != entry.__name__:
+        if forked_rank.forked_module(args) != entry.__name__ or not forked_rank.cuda_untouched():
             return popen(self, args, env)
         return forked_rank.start(entry, args, env, self._stdout, self._stderr)
 
@@ -72,8 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     SubprocessHandler.close = _remember_signalled(SubprocessHandler.close)
     if args.module and args.training_script in forked_rank.ENTRY_MODULES and forked_rank.forking_wanted():
         entry = importlib.import_module(args.training_script)
-        entry.preload()  # the ranks' imports, made once here for every rank forked from this process
-        SubprocessHandler._popen = _fork_pimm_ranks(SubprocessHandler._popen, entry)
+        try:
+            entry.preload()  # the ranks' imports, made once here for every rank forked from this process
+        except Exception:  # noqa: BLE001 - each rank then starts anew and reports the failing import itself
+            entry = None
+        if entry is not None:
+            SubprocessHandler._popen = _fork_pimm_ranks(SubprocessHandler._popen, entry)
     report_dir = os.environ.get(REPORT_DIR_ENV)
     try:
         run(args)
