@@ -53,7 +53,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="pimm-bench-rank-start-") as tmp:
         root = Path(tmp)
-        data = {"train": write_dataset(root / "train.h5", 48, seed=11), "val": write_dataset(root / "val.h5", 12, seed=12)}
+        data = {"train": write_dataset(root / "train.h5", 48, seed=11),
+                "val": write_dataset(root / "val.h5", 12, seed=12)}
         cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
         wall: dict[str, list[float]] = {mode: [] for mode in MODES}
         for rep, mode in abba(list(MODES), args.repeats):

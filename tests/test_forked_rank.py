@@ -11,6 +11,7 @@ import sys
 from conftest import REPO, assert_bitwise_equal, attempts, launch, losses, steps, weights
 
 from pimm.launch.forked_rank import forked_module
+from pimm.launch.torchrun import RANK_ENTRIES
 
 # A parent as pimm's torchrun is when it forks: torch loaded with OMP_NUM_THREADS unset (as many OpenMP
 # threads as cores), Python handlers on the stop signals. Two ranks: one reports what it started with
@@ -80,13 +81,15 @@ def test_a_forked_rank_starts_as_torchrun_starts_a_rank(tmp_path):
 
 
 def test_only_pimms_ranks_are_forked():
-    python = sys.executable
-    assert forked_module((python, "-u", "-m", "pimm.engine.worker", "--run-dir", "R")) == "pimm.engine.worker"
-    assert forked_module((python, "-m", "pimm.engine.eval_worker", "--eval-dir", "D")) == "pimm.engine.eval_worker"
-    assert forked_module((python, "-u", "examples/course/07_ddp_torchrun.py")) is None  # a script
-    assert forked_module((python, "-u", "-m", "mypackage.train")) is None
-    assert forked_module(("numactl", "--cpunodebind=0", python, "-u", "-m", "pimm.engine.worker")) is None
-    assert forked_module(("/usr/bin/other-python", "-u", "-m", "pimm.engine.worker")) is None
+    python, ranks = sys.executable, RANK_ENTRIES
+    assert set(ranks) == {"pimm.engine.worker", "pimm.engine.eval_worker"}
+    assert forked_module((python, "-u", "-m", "pimm.engine.worker", "--run-dir", "R"), ranks) == "pimm.engine.worker"
+    evaluation = (python, "-m", "pimm.engine.eval_worker", "--eval-dir", "D")
+    assert forked_module(evaluation, ranks) == "pimm.engine.eval_worker"
+    assert forked_module((python, "-u", "examples/course/7_mnist_ddp_pt_multinode.py"), ranks) is None  # a script
+    assert forked_module((python, "-u", "-m", "mypackage.train"), ranks) is None
+    assert forked_module(("numactl", "--cpunodebind=0", python, "-u", "-m", "pimm.engine.worker"), ranks) is None
+    assert forked_module(("/usr/bin/other-python", "-u", "-m", "pimm.engine.worker"), ranks) is None
 
 
 def test_ranks_started_as_new_interpreters_train_to_the_same_bits(tmp_path, tiny_data, reference, monkeypatch):

@@ -26,25 +26,24 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from types import ModuleType
 
 from pimm.engine.failure import exit_now
 from pimm.startup import FORKED_RANK_ENV, name_this_process
 
 RANK_START_ENV = "PIMM_RANK_START"
-ENTRY_MODULES = ("pimm.engine.worker", "pimm.engine.eval_worker")
 
 
-def forked_module(args: tuple[str, ...]) -> str | None:
-    """The entry module of the command torchrun would run, when it is one of pimm's ranks
-    (python [-u] -m MODULE ...), else None."""
+def forked_module(args: tuple[str, ...], modules: Collection[str]) -> str | None:
+    """The module of the command torchrun would run when it is `python [-u] -m MODULE ...` with MODULE
+    one of `modules` (pimm's ranks), else None."""
     if len(args) < 3 or os.path.realpath(args[0]) != os.path.realpath(sys.executable):
         return None
     options = list(args[1:])
     while options and options[0] == "-u":
         options.pop(0)
-    if len(options) >= 2 and options[0] == "-m" and options[1] in ENTRY_MODULES:
+    if len(options) >= 2 and options[0] == "-m" and options[1] in modules:
         return options[1]
     return None
 

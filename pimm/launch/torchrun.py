@@ -13,19 +13,20 @@ command, or every rank with PIMM_RANK_START=exec, starts as torchrun starts it.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import socket
 import sys
 from pathlib import Path
 
+from pimm.engine import eval_worker, worker
 from pimm.engine.failure import REPORT_DIR_ENV
 from pimm.launch import forked_rank
 from pimm.launch.node import first_causes
 from pimm.signals import handle_once
 from pimm.startup import paused_gc
 
+RANK_ENTRIES = {module.__name__: module for module in (worker, eval_worker)}  # pimm's ranks: forked from here
 _signalled: set[int] = set()  # pids of the workers torchrun signalled (to stop the group)
 
 
@@ -40,7 +41,7 @@ def _remember_signalled(close):
 def _fork_pimm_ranks(popen, entry):
     """SubprocessHandler._popen that forks pimm's ranks from this process (pimm.launch.forked_rank)."""
     def popen_or_fork(self, args, env):
-        if forked_rank.forked_module(args) != entry.__name__ or not forked_rank.cuda_untouched():
+        if forked_rank.forked_module(args, RANK_ENTRIES) != entry.__name__ or not forked_rank.cuda_untouched():
             return popen(self, args, env)
         return forked_rank.start(entry, args, env, self._stdout, self._stderr)
 
@@ -74,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     # job, or forwarded by pimm launch) would otherwise abort it and orphan the workers
     elastic_api._terminate_process_handler = handle_once(elastic_api._terminate_process_handler)
     SubprocessHandler.close = _remember_signalled(SubprocessHandler.close)
-    if args.module and args.training_script in forked_rank.ENTRY_MODULES and forked_rank.forking_wanted():
-        entry = importlib.import_module(args.training_script)
+    entry = RANK_ENTRIES.get(args.training_script) if args.module and forked_rank.forking_wanted() else None
+    if entry is not None:
         try:
             entry.preload()  # the ranks' imports, made once here for every rank forked from this process
         except Exception:  # noqa: BLE001 - each rank then starts anew and reports the failing import itself
