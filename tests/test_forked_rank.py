@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO, assert_bitwise_equal, attempts, launch, losses, steps, weights
+from conftest import REPO, assert_bitwise_equal, attempts, launch, launch_args, losses, pimm_in_process, steps, weights
 
 from pimm.launch.forked_rank import forked_module
 from pimm.launch.torchrun import RANK_ENTRIES
@@ -103,3 +103,13 @@ def test_ranks_started_as_new_interpreters_train_to_the_same_bits(tmp_path, tiny
     assert forked["torch_threads"] == started["torch_threads"] == 1
     assert steps(run_dir) == steps(reference) and losses(run_dir) == losses(reference)
     assert_bitwise_equal(weights(run_dir), weights(reference))
+
+
+def test_a_rank_start_that_is_neither_fork_nor_exec_is_refused_before_anything_starts(tmp_path, tiny_data,
+                                                                                     monkeypatch):
+    monkeypatch.setenv("PIMM_RANK_START", "spawn")
+    res = pimm_in_process(launch_args(tmp_path, tiny_data, 2, name="never"))
+    assert res.returncode == 2, res.stdout + res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert "PIMM_RANK_START='spawn' is not a way to start ranks" in line and "fork" in line and "exec" in line
+    assert not (tmp_path / "tests").exists()  # no run directory, no process

@@ -8,6 +8,7 @@ import sys
 from pimm import __version__
 from pimm.cli import bench, data, evaluate, export, launch, ls, predict, show, submit, validate_scaling
 from pimm.errors import EXIT_BAD_INPUT, PimmError
+from pimm.launch.forked_rank import check_rank_start
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+STARTS_RANKS = ("launch", "submit", "test", "predict", "validate-scaling", "bench")  # through torchrun
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # everything after a bare `--` is config overrides, kept away from argparse
@@ -36,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pimm: error: `pimm {args.command}` takes no `-- key=value` overrides", file=sys.stderr)
         return 2
     try:
+        if args.command in STARTS_RANKS:
+            check_rank_start()
         return int(args.run(args) or 0)
     except PimmError as exc:
         print(f"pimm: error: {exc}", file=sys.stderr)

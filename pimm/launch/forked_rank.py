@@ -30,6 +30,7 @@ from collections.abc import Callable, Collection
 from types import ModuleType
 
 from pimm.engine.failure import exit_now
+from pimm.errors import PimmError
 from pimm.startup import FORKED_RANK_ENV, name_this_process
 
 RANK_START_ENV = "PIMM_RANK_START"
@@ -48,8 +49,20 @@ def forked_module(args: tuple[str, ...], modules: Collection[str]) -> str | None
     return None
 
 
+RANK_STARTS = ("fork", "exec")
+
+
+def check_rank_start() -> None:
+    """Refuse a PIMM_RANK_START that is neither of RANK_STARTS, before any process starts."""
+    value = os.environ.get(RANK_START_ENV)
+    if value is not None and value not in RANK_STARTS:
+        raise PimmError(f"{RANK_START_ENV}={value!r} is not a way to start ranks: use fork (the default: each rank "
+                        "a fork of torchrun, which imported torch once) or exec (each rank a new interpreter), "
+                        "or unset it")
+
+
 def forking_wanted() -> bool:
-    return os.environ.get(RANK_START_ENV, "fork") != "exec"
+    return os.environ.get(RANK_START_ENV, "fork") == "fork"
 
 
 def cuda_untouched() -> bool:
