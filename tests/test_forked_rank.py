@@ -54,8 +54,12 @@ try:
 except subprocess.TimeoutExpired:
     waited = "timed out"
 os.killpg(second.pid, signal.SIGTERM)
+# at once: the child leads its group when start returns, and the signal waits for the child's own handlers
+# (torchrun's, here one that ignores it, are never run in the child)
+third = forked_rank.start(types.SimpleNamespace(main=sleep), command, env, None, None)
+os.killpg(third.pid, signal.SIGTERM)
 print(json.dumps({"code": code, "poll": first.poll(), "waited": waited, "stopped": second.wait(timeout=30),
-                  "parent_threads": torch.get_num_threads()}))
+                  "stopped_at_once": third.wait(timeout=30), "parent_threads": torch.get_num_threads()}))
 """
 
 
@@ -68,6 +72,7 @@ def test_a_forked_rank_starts_as_torchrun_starts_a_rank(tmp_path):
     parent = json.loads(res.stdout.splitlines()[-1])
     assert parent["code"] == parent["poll"] == 7
     assert parent["waited"] == "timed out" and parent["stopped"] == -15  # SIGTERM's default: the rank ends
+    assert parent["stopped_at_once"] == -15
     facts = json.loads((tmp_path / "facts.json").read_text())
     assert facts["argv"] == ["--run-dir", "RUN"] and facts["sys_argv"][1:] == ["--run-dir", "RUN"]
     assert facts["own_session"] and facts["rank"] == "1" and facts["forked"] == "1"

@@ -108,16 +108,26 @@ def start(module: ModuleType, args: tuple[str, ...], env: dict[str, str], stdout
     argv = list(args[args.index("-m") + 2:])
     sys.stdout.flush()  # what torchrun wrote but did not flush would be written again by the child
     sys.stderr.flush()
+    # a signal that comes while the child still has torchrun's handlers waits until it has its own
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    ready_read, ready_write = os.pipe()
     pid = os.fork()
-    if pid:
-        return ForkedRank(pid, args)
-    _run_rank(module.main, argv, env, stdout, stderr)  # never returns
+    if pid == 0:
+        os.close(ready_read)
+        _run_rank(module.main, argv, env, stdout, stderr, mask, ready_write)  # never returns
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    os.close(ready_write)
+    os.read(ready_read, 1)  # end of file once the child leads its own process group (torchrun signals it)
+    os.close(ready_read)
+    return ForkedRank(pid, args)
 
 
-def _run_rank(main: Callable[[list[str]], int], argv: list[str], env: dict[str, str], stdout, stderr) -> None:
+def _run_rank(main: Callable[[list[str]], int], argv: list[str], env: dict[str, str], stdout, stderr,
+              mask: set[signal.Signals], ready: int) -> None:
     code = 1
     try:
         os.setsid()  # as torchrun's start_new_session: torchrun stops a rank by signalling its group
+        os.close(ready)
         for stream, fd in ((stdout, 1), (stderr, 2)):
             if stream is not None:
                 os.dup2(stream.fileno(), fd)
@@ -125,6 +135,7 @@ def _run_rank(main: Callable[[list[str]], int], argv: list[str], env: dict[str, 
             handler = signal.getsignal(sig)
             if callable(handler) and handler is not signal.default_int_handler:
                 signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.environ.clear()
         os.environ.update(env, **{FORKED_RANK_ENV: "1"})
         name_this_process(f"pimm-rank-{env.get('RANK', '?')}")
