@@ -24,6 +24,13 @@ from pimm.names import PARALLEL_STRATEGIES
 log = logging.getLogger("pimm")
 
 
+def import_data_parallel_wrappers() -> None:
+    """Import what DDP's and FSDP2's constructors import on first use (torch._dynamo, about 0.6 CPU-s): pimm's
+    torchrun imports it before it forks the ranks of a multi-rank run (pimm.launch.forked_rank), once for all."""
+    # deferred: a one-rank run (SingleProcess) never needs it
+    import torch._dynamo  # noqa: F401
+
+
 class Strategy:
     """The interface: wrap the plain model, name the module evaluation calls, move full states."""
 

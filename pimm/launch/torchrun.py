@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     entry = RANK_ENTRIES.get(args.training_script) if args.module and forked_rank.forking_wanted() else None
     if entry is not None:
         try:
-            entry.preload()  # the ranks' imports, made once here for every rank forked from this process
+            several_ranks = args.nnodes not in ("1", "1:1") or str(args.nproc_per_node) != "1"
+            entry.preload(several_ranks)  # the ranks' imports, made once here for every rank forked from here
         except Exception:  # noqa: BLE001 - each rank then starts anew and reports the failing import itself
             entry = None
         if entry is not None:
