@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Collection
 from types import ModuleType
 
@@ -111,7 +112,9 @@ def start(module: ModuleType, args: tuple[str, ...], env: dict[str, str], stdout
     # a signal that comes while the child still has torchrun's handlers waits until it has its own
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     ready_read, ready_write = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python 3.12+ warns of any fork beside threads (here torchrun's store's)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:
         os.close(ready_read)
         _run_rank(module.main, argv, env, stdout, stderr, mask, ready_write)  # never returns
