@@ -101,12 +101,13 @@ def pytest_xdist_make_scheduler(config, log):
 
 # the scopes that take longest (pytest --durations, processes started per test), handed out first: a worker that
 # takes a long file last would otherwise run alone at the end. The others follow in their collection order.
-LONGEST_FIRST = ("slurm", "tests/test_pretraining.py", "tests/test_panoptic_task.py", "tests/test_accumulation.py",
-                 "tests/test_ptv3m2.py", "tests/test_resume.py", "tests/test_fsdp2.py", "tests/test_house.py",
-                 "tests/test_finetune_weights.py", "tests/test_benchmarks_smoke.py", "tests/test_evaluate.py",
-                 "tests/test_training.py", "tests/test_validate_scaling.py", "tests/test_hostile.py",
-                 "tests/test_harden.py", "tests/test_robust_run.py", "tests/test_published_recipes.py",
-                 "tests/test_predict.py", "tests/test_checkpoint_safety.py")
+LONGEST_FIRST = ("slurm", "tests/test_resume.py", "tests/test_benchmarks_smoke.py", "tests/test_course.py",
+                 "tests/test_finetune_weights.py", "tests/test_harden.py", "tests/test_pretraining.py",
+                 "tests/test_house.py", "tests/test_ptv3m2.py", "tests/test_panoptic_task.py", "tests/test_fsdp2.py",
+                 "tests/test_evaluate.py", "tests/test_wandb.py", "tests/test_pilarnet.py",
+                 "tests/test_bench_memory.py", "tests/test_accumulation.py", "tests/test_show_instances.py",
+                 "tests/test_checkpoint_safety.py", "tests/test_validate_scaling.py", "tests/test_eval_steps.py",
+                 "tests/test_tensorboard.py", "tests/test_robust_run.py")
 
 
 def pytest_collection_modifyitems(config, items):
