@@ -9,6 +9,9 @@ to the collector's permanent generation (gc.freeze), so that the collections of 
 skip them as well. The few thousand cyclic objects the imports leave unreachable stay allocated
 instead of being collected: a fraction of a megabyte, against the 0.2 s one full collection of
 everything would cost each process.
+
+A rank that pimm's torchrun forked (pimm.launch.forked_rank) skips these imports altogether; it
+says so in its environment (`rank_start`, which provenance records) and under its own process name.
 """
 
 from __future__ import annotations
