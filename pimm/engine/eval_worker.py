@@ -5,27 +5,24 @@
 
 from __future__ import annotations
 
-import os
-
 from pimm.engine.failure import exit_now
-from pimm.startup import paused_gc
+from pimm.engine.preload import preload as preload_rank
+from pimm.engine.preload import several_ranks_here
+
+
+def _import_evaluation() -> None:
+    # deferred: torch's import runs with the collector paused, which a module-level import cannot do
+    import pimm.engine.evaluation  # noqa: F401
 
 
 def preload(several_ranks: bool) -> None:
-    """Import the evaluation (torch, the models, the tasks; with several ranks what DDP's and FSDP2's
-    constructors import) with the collector paused (pimm.startup). pimm's torchrun calls it before it forks
-    the ranks (pimm.launch.forked_rank), which then find it all imported."""
-    with paused_gc():  # torch's import makes objects that live as long as the process
-        # deferred: torch's import runs with the collector paused, which a module-level import cannot do
-        import pimm.engine.evaluation  # noqa: F401
-        from pimm.distributed.strategy import import_data_parallel_wrappers
-
-        if several_ranks:
-            import_data_parallel_wrappers()
+    """What an evaluation rank imports (torch, the models, the tasks), made by pimm.engine.preload; pimm's
+    torchrun calls it before it forks the ranks (pimm.launch.forked_rank)."""
+    preload_rank(_import_evaluation, several_ranks)
 
 
 def main(argv: list[str] | None = None) -> int:
-    preload(int(os.environ.get("WORLD_SIZE", 1)) > 1)  # done already if torchrun forked this rank
+    preload(several_ranks_here())  # done already if torchrun forked this rank
     # deferred: imported by preload
     from pimm.engine.evaluation import main as evaluation_main
 

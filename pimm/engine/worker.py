@@ -17,23 +17,22 @@ from pimm.config import read_run_config
 from pimm.config.validate import check_config
 from pimm.engine.failure import exit_now, report_failure, write_error
 from pimm.engine.logs import setup_logging
+from pimm.engine.preload import preload as preload_rank
+from pimm.engine.preload import several_ranks_here
 from pimm.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINTED
 from pimm.signals import StopRequest, die_with_parent, tell_launcher_to_stop
-from pimm.startup import paused_gc
+
+
+def _import_training() -> None:
+    # deferred: torch and the trainer take seconds to import; a rank installs its stop handler first
+    import pimm.distributed.env  # noqa: F401
+    import pimm.engine.trainer  # noqa: F401
 
 
 def preload(several_ranks: bool) -> None:
-    """Import what a rank runs (torch, the trainer; with several ranks torch._dynamo, which DDP's and FSDP2's
-    constructors import) with the collector paused (pimm.startup). pimm's torchrun calls it before it forks
-    the ranks (pimm.launch.forked_rank), which then find it all imported."""
-    with paused_gc():  # torch's import makes objects that live as long as the process
-        # deferred: torch and the trainer take seconds to import; a rank installs its stop handler first
-        import pimm.distributed.env  # noqa: F401
-        import pimm.engine.trainer  # noqa: F401
-        from pimm.distributed.strategy import import_data_parallel_wrappers
-
-        if several_ranks:
-            import_data_parallel_wrappers()
+    """What a training rank imports (torch, the trainer), made by pimm.engine.preload; pimm's torchrun calls it
+    before it forks the ranks (pimm.launch.forked_rank)."""
+    preload_rank(_import_training, several_ranks)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.raiseExceptions = False  # a log line that a full disk refuses must not print a traceback per call
     log = setup_logging(run_dir / "logs", rank)
     try:
-        preload(int(os.environ.get("WORLD_SIZE", 1)) > 1)  # done already if torchrun forked this rank
+        preload(several_ranks_here())  # done already if torchrun forked this rank
         # deferred: imported by preload, after the stop handler is installed
         from pimm.distributed.env import destroy_distributed, init_distributed
         from pimm.engine.trainer import Interrupted, Trainer
