@@ -172,15 +172,17 @@ def test_rank_start_benchmark_times_a_launch_of_each_start():
 
 
 def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
-    """benchmarks/panoptic.py on a few small generated events, 3 s of training per model: the detector's row and
-    both DBSCAN rows, the step-time ratio and the matching share (no score asserted)."""
+    """benchmarks/panoptic.py on a few small generated events, 3 training steps per model (--steps: the same
+    training on any machine, said in the output): the detector's row and both DBSCAN rows, the step-time ratio and
+    the matching share (no score asserted); --seconds with --steps is refused before anything is generated."""
     out = tmp_path / "p.json"
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "panoptic.py"), "--seconds", "3", "--events", "8",
-                          "--test-events", "3", "--select-events", "3", "--points-per-event", "300", "--eps", "2,6",
-                          "--out", str(out)],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    command = [sys.executable, str(REPO / "benchmarks" / "panoptic.py"), "--events", "8", "--test-events", "3",
+               "--select-events", "3", "--points-per-event", "300", "--eps", "2,6", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([*command, "--steps", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                         check=False, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert "3 training steps per model" in res.stdout
     table = [line for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     rows = [line.split("|")[1].strip() for line in table]
     assert rows[0] == "method" and rows[1] == "detector (detector-v1m1)"
@@ -195,10 +197,49 @@ def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     assert timing["pairs"] >= 1 and timing["detector_step_s"] > 0 and timing["semantic_step_s"] > 0
     assert 0.0 < timing["matching_share"] < 1.0
     assert f"ratio {timing['ratio']:.2f}x (goal <= 1.3x" in res.stdout
-    assert all(training[name]["cpu_seconds"] >= 3 and training[name]["steps"] >= 1 for name in ("detector", "semantic"))
+    assert training["detector"]["steps"] == training["semantic"]["steps"] == 3
+    assert all(training[name]["cpu_seconds"] > 0 for name in ("detector", "semantic"))
     assert 0.0 <= result["detector_mask_recall"] <= 1.0
     assert f"{100 * result['detector_mask_recall']:.0f}% of the held-out particles have a query mask at IoU >= 0.5" \
         in res.stdout
+    both = subprocess.run([*command, "--steps", "3", "--seconds", "5"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180, check=False, env=env)
+    assert both.returncode == 2 and "--seconds 5 and --steps 3 are two budgets: give one of them" in both.stderr
+
+
+class StandInTrainee:
+    """What benchmarks/panoptic.py's train loop asks of a model in training, each step costing `cost` CPU seconds."""
+
+    def __init__(self, cost: float) -> None:
+        self.cost, self.step_seconds, self.step_cpu_seconds, self.fractions = cost, [], [], []
+        self.cfg = {"batch_size": 2}
+
+    @property
+    def spent(self) -> float:
+        return sum(self.step_cpu_seconds)
+
+    def set_lr(self, fraction: float) -> None:
+        self.fractions.append(fraction)
+
+    def step(self, batch, timer) -> None:
+        self.step_seconds.append(self.cost)
+        self.step_cpu_seconds.append(self.cost)
+
+
+def test_panoptic_benchmark_cpu_seconds_budget_stops_each_model_once_it_has_spent_them(monkeypatch):
+    """--seconds (the default budget): each model steps until its own steps have spent the CPU seconds, the dearer
+    one taking fewer steps; the learning rate follows the share of the budget spent. (The benchmark's own run, above,
+    uses --steps; the two budgets share everything but Budget.)"""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import panoptic
+
+    monkeypatch.setattr(panoptic, "collate_events", lambda events: events)
+    detector, semantic = StandInTrainee(1.0), StandInTrainee(0.4)
+    panoptic.train(detector, semantic, list(range(6)), panoptic.Budget(seconds=3.0), seed=0)
+    assert (len(detector.step_seconds), len(semantic.step_seconds)) == (3, 8)  # 3 x 1.0 s; 8 x 0.4 s >= 3 s
+    assert detector.fractions == pytest.approx([0, 1 / 3, 2 / 3])
+    assert panoptic.Budget(steps=5).fraction(semantic) == 8 / 5
+    assert panoptic.Budget(steps=5).describe() == "5 training steps"
 
 
 def test_panoptic_benchmark_timing_pairs_only_times_the_steps(tmp_path):
@@ -212,24 +253,6 @@ def test_panoptic_benchmark_timing_pairs_only_times_the_steps(tmp_path):
     assert "| method |" not in res.stdout and "(goal <= 1.3x" in res.stdout
     result = json.loads(out.read_text())
     assert set(result) == {"settings", "voxels_per_event", "timing"} and result["timing"]["pairs"] == 1
-
-
-def test_panoptic_benchmark_steps_budget_trains_each_model_that_many_steps(tmp_path):
-    """--steps N: each model takes exactly N steps (the same training on any machine) and the output says so;
-    --seconds with --steps is refused before anything is generated."""
-    out = tmp_path / "s.json"
-    command = [sys.executable, str(REPO / "benchmarks" / "panoptic.py"), "--events", "8", "--test-events", "2",
-               "--select-events", "2", "--points-per-event", "300", "--eps", "4", "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run([*command, "--steps", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                         check=False, env=env)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "3 training steps per model" in res.stdout
-    training = json.loads(out.read_text())["training"]
-    assert training["detector"]["steps"] == training["semantic"]["steps"] == 3
-    both = subprocess.run([*command, "--steps", "3", "--seconds", "5"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=180, check=False, env=env)
-    assert both.returncode == 2 and "--seconds 5 and --steps 3 are two budgets: give one of them" in both.stderr
 
 
 def test_panoptic_benchmark_refuses_what_it_cannot_run_with_one_line(capsys):
