@@ -26,7 +26,8 @@ Rows of the table, every one scored by PanopticAccumulator on the held-out event
   instance of that class;
 - DBSCAN on the true classes.
 Each DBSCAN row uses the radius of --eps that gives it the best ARI (all labelled) on --select-events training
-events, never the held-out ones. Also printed: the detector's instances per held-out event and the share of
+events, never the held-out ones. Also printed: the instances per held-out event of each row and the true particles
+per event (purity and efficiency are means over instances: many small instances raise purity), and the share of
 the held-out particles that some query's mask (sigmoid > the config's mask_threshold, over the labelled points)
 covers at IoU >= the task's threshold, what the best post-processing could keep; the mean training step of the
 detector against the semantic model's (same backbone, same batches) and the share of the detector's step spent in
@@ -299,9 +300,11 @@ def new_meter(task: Panoptic) -> PanopticAccumulator:
 
 
 def score_dbscan(meter: PanopticAccumulator, event: HeldOutEvent, point_class: np.ndarray,
-                 stuff_classes: tuple[int, ...], eps: float, min_samples: int) -> None:
+                 stuff_classes: tuple[int, ...], eps: float, min_samples: int) -> int:
+    """Scores DBSCAN's instances of one event; returns how many it made."""
     found = dbscan_instances(event.coord, point_class, stuff_classes, eps, min_samples)
     meter.update(event.event_id, event.true_instance, found, event.true_class, point_class)
+    return int(found.max()) + 1
 
 
 def choose_radii(task: Panoptic, semantic: Trainee, events: PILArNetDataset, count: int, radii: list[float],
@@ -341,25 +344,29 @@ def mask_recall(mask_logits: torch.Tensor, true_instance: np.ndarray, mask_thres
 @torch.no_grad()
 def evaluate(detector: Trainee, semantic: Trainee, events: PILArNetDataset, eps: dict[str, float],
              min_samples: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """The table's rows on the held-out events, and what the detector found: instances per event after
-    post-processing, and the share of true particles some query's mask covers at IoU >= the task's threshold."""
+    """The table's rows on the held-out events, and what each found: instances per event (the detector's after
+    post-processing; "particles": the true ones), and the share of true particles some query's mask covers at
+    IoU >= the task's threshold."""
     task = detector.task
     detector.model.eval()
     rows = {"detector": new_meter(task), "predicted": new_meter(task), "true": new_meter(task)}
-    instances = covered = particles = 0
+    instances = dict.fromkeys(("particles", *rows), 0)
+    covered = 0
     for event in semantic_predictions(task, semantic, events, len(events)):
         batch = event.batch
         output = detector.model(batch["coord"], batch["feat"], batch["offset"], event_id=batch["event_id"])
         (event_id, found), = event_arrays(task, batch, output)  # as pimm test scores the detector
         rows["detector"].update(event_id, **found)
-        instances += int(found["pred_instance"].max()) + 1
+        instances["detector"] += int(found["pred_instance"].max()) + 1
         hits, count = mask_recall(output.events[0].final.mask_logits, event.true_instance,
                                   detector.model.postprocess["mask_threshold"], task.iou_threshold)
-        covered, particles = covered + hits, particles + count
-        score_dbscan(rows["predicted"], event, event.predicted_class, task.stuff_classes, eps["predicted"],
-                     min_samples)
-        score_dbscan(rows["true"], event, event.true_class, task.stuff_classes, eps["true"], min_samples)
-    found = {"instances_per_event": instances / len(events), "mask_recall": covered / max(particles, 1)}
+        covered, instances["particles"] = covered + hits, instances["particles"] + count
+        instances["predicted"] += score_dbscan(rows["predicted"], event, event.predicted_class, task.stuff_classes,
+                                               eps["predicted"], min_samples)
+        instances["true"] += score_dbscan(rows["true"], event, event.true_class, task.stuff_classes, eps["true"],
+                                          min_samples)
+    found = {"instances_per_event": {name: count / len(events) for name, count in instances.items()},
+             "mask_recall": covered / max(instances["particles"], 1)}
     return {name: meter.result() for name, meter in rows.items()}, found
 
 
@@ -477,8 +484,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['first_loss']:.3f} -> {row['last_loss']:.3f}")
     print(f"DBSCAN radius by ARI (all labelled) on {min(args.select_events, len(train_events))} training events: "
           + "; ".join(f"{side} semantics {eps[side]:g} ({sweep[side][str(eps[side])]:.3f})" for side in eps))
-    print(f"detector: {found['instances_per_event']:.1f} instances per held-out event; "
-          f"{100 * found['mask_recall']:.0f}% of the held-out particles have a query mask at IoU >= "
+    per_event = found["instances_per_event"]
+    print(f"instances per held-out event: {per_event['particles']:.1f} true particles; detector "
+          f"{per_event['detector']:.1f}, DBSCAN on predicted semantics {per_event['predicted']:.1f}, on true semantics "
+          f"{per_event['true']:.1f}")
+    print(f"detector: {100 * found['mask_recall']:.0f}% of the held-out particles have a query mask at IoU >= "
           f"{detector.task.iou_threshold:g} (what the best post-processing could keep)\n")
     print("| method | " + " | ".join(HEADERS) + " |")
     print("|---|" + "---:|" * len(COLUMNS))
@@ -489,7 +499,8 @@ def main(argv: list[str] | None = None) -> None:
         args.out.write_text(json.dumps({
             "settings": vars(args) | {"out": str(args.out)}, "voxels_per_event": points, "training": training,
             "dbscan_radius_selection": sweep, "eps": eps, "rows": {labels[k]: v for k, v in rows.items()},
-            "detector_instances_per_event": found["instances_per_event"],
+            "instances_per_event": {"true particles" if k == "particles" else labels[k]: v
+                                    for k, v in found["instances_per_event"].items()},
             "detector_mask_recall": found["mask_recall"], "timing": timing}, default=float) + "\n")
 
 

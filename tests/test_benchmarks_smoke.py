@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import REPO
 
+from pimm.panoptic_metrics import PanopticAccumulator
+
 FIELDS = ("pimm_events_per_s", "hand_events_per_s", "ratio", "ratio_per_point", "pimm_events_per_s_windows",
           "loader_events_per_s_per_rank", "consumption_events_per_s_per_rank", "loader_headroom")
 
@@ -210,6 +212,12 @@ def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     assert training["detector"]["steps"] == training["semantic"]["steps"] == 3
     assert all(training[name]["cpu_seconds"] > 0 for name in ("detector", "semantic"))
     assert 0.0 <= result["detector_mask_recall"] <= 1.0
+    per_event = result["instances_per_event"]
+    assert list(per_event) == ["true particles", *rows[1:]]
+    assert per_event["true particles"] > 0 and all(count >= 0 for count in per_event.values())
+    assert (f"instances per held-out event: {per_event['true particles']:.1f} true particles; detector "
+            f"{per_event[rows[1]]:.1f}, DBSCAN on predicted semantics {per_event[rows[2]]:.1f}, on true semantics "
+            f"{per_event[rows[3]]:.1f}") in res.stdout
     assert f"{100 * result['detector_mask_recall']:.0f}% of the held-out particles have a query mask at IoU >= 0.5" \
         in res.stdout
 
@@ -298,3 +306,22 @@ def test_mask_recall_counts_the_particles_some_query_mask_covers_at_the_iou_thre
     assert mask_recall(logits, truth, mask_threshold=0.5, iou_threshold=0.5) == (1, 2)
     assert mask_recall(logits, truth, mask_threshold=0.5, iou_threshold=0.3) == (2, 2)
     assert mask_recall(logits, truth, mask_threshold=0.5, iou_threshold=0.8) == (0, 2)
+
+
+def test_dbscan_makes_one_instance_per_dense_group_of_each_class_and_says_how_many():
+    """Hand-made: class 0 has two groups of points 10 voxels apart, class 1 one group touching the first, class 2 is
+    stuff; at radius 2 DBSCAN makes three instances (groups of different classes stay apart even where they touch),
+    stuff and points with no class in none."""
+    bench = panoptic_benchmark()
+    coord = np.array([[0, 0, 0], [1, 0, 0], [11, 0, 0], [12, 0, 0], [2, 0, 0], [3, 0, 0], [4, 0, 0], [30, 0, 0]],
+                     dtype=np.float32)
+    point_class = np.array([0, 0, 0, 0, 1, 1, 2, -1])
+    truth = np.array([0, 0, 1, 1, 2, 2, -1, -1])
+    event = bench.HeldOutEvent(event_id=3, batch={}, coord=coord, true_instance=truth, true_class=point_class,
+                               predicted_class=point_class)
+    meter = PanopticAccumulator(3, (2,), 0.5)
+    assert bench.score_dbscan(meter, event, point_class, (2,), eps=2.0, min_samples=1) == 3
+    found = bench.dbscan_instances(coord, point_class, (2,), eps=2.0, min_samples=1)
+    assert (found[:2] == found[0]).all() and (found[2:4] == found[2]).all() and (found[4:6] == found[4]).all()
+    assert len({found[0], found[2], found[4]}) == 3 and (found[6:] == -1).all()
+    assert meter.result()["ari_all_labelled"] == pytest.approx(1.0)
