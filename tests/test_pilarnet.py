@@ -126,6 +126,12 @@ def test_points_per_event_gives_realistic_event_sizes(tmp_path: Path, capsys) ->
     assert len(np.unique(e["point"][:, :3], axis=0)) > 0.9 * len(e["point"])  # mostly one point per voxel
     assert main(["data", "synth", "--layout", "pilarnet", "--out", str(tmp_path / "d"), "--events", "3",
                  "--points-per-event", "2000"]) == 0
+    assert "fewer than --points-per-event" not in capsys.readouterr().err
+    # more than the generator can make (at most MAX_COPIES voxels per generated point): written, and said
+    assert main(["data", "synth", "--layout", "pilarnet", "--out", str(tmp_path / "big"), "--events", "2",
+                 "--points-per-event", "500000"]) == 0
+    said = capsys.readouterr().err
+    assert "fewer than --points-per-event 500000" in said and "at most 32 voxels" in said, said
     code = main(["data", "synth", "--out", str(tmp_path / "x.h5"), "--events", "3", "--points-per-event", "2000"])
     assert code == 2 and "applies to --layout pilarnet" in capsys.readouterr().err
     assert not (tmp_path / "x.h5").exists()

@@ -36,7 +36,7 @@ PHOTON, ELECTRON, MUON, PION, PROTON = range(5)  # pilarnet_file.PID_NAMES
 NO_PID = -1  # PILArNet-M's particle type of low-energy deposits
 VOXELS = int(VOLUME_SIZE)  # the PILArNet-M layout's voxel cube: 768 per side
 PILARNET_SPREAD = 1.0  # voxels: the Gaussian offsets of a densified event's point copies
-_MAX_COPIES = 32
+MAX_COPIES = 32  # with points_per_event: copies of each generated point at most, so events of at most 32 times theirs
 _PID_MASS_MEV = (0.0, 0.511, 105.66, 139.57, 938.27)  # photon, electron, muon, pion, proton
 _INTERACTION_STREAM = 7919  # generate_event(..., interaction=j > 0) draws from [seed, index, this + j]
 MAX_INTERACTIONS = 3  # pilarnet_event: 1 to this many interactions per image
@@ -385,15 +385,15 @@ def _voxelised(e: dict[str, np.ndarray], seed: int, index: int, points_per_event
     arrays = {k: e[k] for k in ("energy", "segment", "pid", "instance", "fragment", "interaction") if k in e}
     if points_per_event is not None and n:
         rng = np.random.default_rng([seed, index, 768])  # its own stream: the objects stay as drawn
-        noise = rng.normal(scale=PILARNET_SPREAD, size=(_MAX_COPIES * n, 3))
+        noise = rng.normal(scale=PILARNET_SPREAD, size=(MAX_COPIES * n, 3))
         fragments = _fragment_ids(arrays)
-        copies = min(_MAX_COPIES, max(1, -(-points_per_event // n)))
+        copies = min(MAX_COPIES, max(1, -(-points_per_event // n)))
         for _ in range(3):  # a denser spread merges more copies into one voxel: correct for it
             dense = np.repeat(coord, copies, axis=0) + noise[: copies * n]
             found = len(np.unique(_voxel_keys(dense, np.repeat(fragments, copies))))
-            if found >= 0.9 * points_per_event or copies == _MAX_COPIES:
+            if found >= 0.9 * points_per_event or copies == MAX_COPIES:
                 break
-            copies = min(_MAX_COPIES, int(np.ceil(copies * points_per_event / max(found, 1))))
+            copies = min(MAX_COPIES, int(np.ceil(copies * points_per_event / max(found, 1))))
         coord = dense
         arrays = {k: np.repeat(v, copies) for k, v in arrays.items()}
     voxel = np.clip(np.floor(coord), 0, VOXELS - 1)
