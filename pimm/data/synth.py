@@ -36,7 +36,7 @@ PHOTON, ELECTRON, MUON, PION, PROTON = range(5)  # pilarnet_file.PID_NAMES
 NO_PID = -1  # PILArNet-M's particle type of low-energy deposits
 VOXELS = int(VOLUME_SIZE)  # the PILArNet-M layout's voxel cube: 768 per side
 PILARNET_SPREAD = 1.0  # voxels: the Gaussian offsets of a densified event's point copies
-MAX_COPIES = 32  # with points_per_event: copies of each generated point at most, so events of at most 32 times theirs
+MAX_COPIES = 32  # points_per_event: each generated point becomes at most this many voxels
 _PID_MASS_MEV = (0.0, 0.511, 105.66, 139.57, 938.27)  # photon, electron, muon, pion, proton
 _INTERACTION_STREAM = 7919  # generate_event(..., interaction=j > 0) draws from [seed, index, this + j]
 MAX_INTERACTIONS = 3  # pilarnet_event: 1 to this many interactions per image
