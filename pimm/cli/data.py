@@ -56,7 +56,7 @@ def run_synth(args: argparse.Namespace) -> int:
     # deferred: the data modules load numpy and h5py, which `pimm --help` does not need
     from pimm.data.event_format import describe
     from pimm.data.pilarnet_file import describe_pilarnet
-    from pimm.data.synth import MAX_COPIES, write_dataset, write_pilarnet
+    from pimm.data.synth import ENOUGH_POINTS, MAX_COPIES, write_dataset, write_pilarnet
 
     start = time.perf_counter()
     if args.points_per_event is not None and args.layout != "pilarnet":
@@ -77,7 +77,7 @@ def run_synth(args: argparse.Namespace) -> int:
         f"in {time.perf_counter() - start:.1f}s; content hash {info['content_hash'][:16]}"
     )
     mean_points = info["num_points"] / max(info["num_events"], 1)
-    if args.points_per_event is not None and mean_points < 0.9 * args.points_per_event:
+    if args.points_per_event is not None and mean_points < ENOUGH_POINTS * args.points_per_event:
         print(f"pimm data synth: the events have {mean_points:,.0f} points on average, fewer than --points-per-event "
               f"{args.points_per_event}: the generator spreads each of its points over at most {MAX_COPIES} voxels, "
               "so an event has at most that many times its own points; ask for fewer points per event to get what "

@@ -37,6 +37,7 @@ NO_PID = -1  # PILArNet-M's particle type of low-energy deposits
 VOXELS = int(VOLUME_SIZE)  # the PILArNet-M layout's voxel cube: 768 per side
 PILARNET_SPREAD = 1.0  # voxels: the Gaussian offsets of a densified event's point copies
 MAX_COPIES = 32  # points_per_event: each generated point becomes at most this many voxels
+ENOUGH_POINTS = 0.9  # points_per_event: an event densified to this share of the points asked for is close enough
 _PID_MASS_MEV = (0.0, 0.511, 105.66, 139.57, 938.27)  # photon, electron, muon, pion, proton
 _INTERACTION_STREAM = 7919  # generate_event(..., interaction=j > 0) draws from [seed, index, this + j]
 MAX_INTERACTIONS = 3  # pilarnet_event: 1 to this many interactions per image
@@ -391,7 +392,7 @@ def _voxelised(e: dict[str, np.ndarray], seed: int, index: int, points_per_event
         for _ in range(3):  # a denser spread merges more copies into one voxel: correct for it
             dense = np.repeat(coord, copies, axis=0) + noise[: copies * n]
             found = len(np.unique(_voxel_keys(dense, np.repeat(fragments, copies))))
-            if found >= 0.9 * points_per_event or copies == MAX_COPIES:
+            if found >= ENOUGH_POINTS * points_per_event or copies == MAX_COPIES:
                 break
             copies = min(MAX_COPIES, int(np.ceil(copies * points_per_event / max(found, 1))))
         coord = dense
