@@ -23,6 +23,10 @@ model = dict(
     num_heads=2,
     depth=2,
     qkv_bias=True,
+    # at these widths (16 to 112 channels) the published trunc_normal(std=0.02) starts every layer far below the
+    # scale of its input; "fan_in" starts them as torch does, for the decoder and (in both models) the encoder
+    # (docs/panoptic.md, "Training from scratch at a small width")
+    weight_init="fan_in",
     backbone=dict(
         type="PT-v3m2",
         in_channels=4,
@@ -35,6 +39,7 @@ model = dict(
         mlp_ratio=2,
         enc_mode=True,
         shuffle_orders=True,
+        weight_init="fan_in",
     ),
 )
 task = dict(_delete_=True, type="Panoptic", label="particle")

@@ -20,6 +20,7 @@ model = dict(
         mlp_ratio=2,
         enc_mode=True,
         shuffle_orders=True,
+        weight_init="fan_in",
     ),
 )
 task = dict(_delete_=True, type="SemanticSegmentation")

@@ -593,6 +593,9 @@ _CRITERIA = Rule("a list of dict(type='CrossEntropyLoss' | 'LovaszLoss', loss_we
                  lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(c, dict) for c in v)))
 _PROBABILITY = Rule("a number in [0, 1]", lambda v: _is_number(v) and 0 <= v <= 1)
 _FRACTION = Rule("a number in [0, 1)", lambda v: _is_number(v) and 0 <= v < 1)
+# pimm's own option of PT-v3m2 and the detectors (pimm.models.weight_init)
+_WEIGHT_INIT = Rule(f"one of {', '.join(names.WEIGHT_INITS)} (how the layers start; trunc_normal is the published)",
+                    lambda v: v in names.WEIGHT_INITS)
 
 
 def _ZERO(why: str) -> Rule:
@@ -681,6 +684,7 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
         "vertex_head": BOOL,
         "grid_size": number(0, strict=True),
         "grid_origin": Rule("a finite number", _is_number),
+        "weight_init": _WEIGHT_INIT,
     },
     # Sonata-style self-distillation (pimm.models.sonata): every published constructor argument, and pimm's own
     "Sonata-v1m1": {
@@ -765,6 +769,7 @@ BACKBONE_OPTIONS: dict[str, dict[str, Rule]] = {
                                  "out)", lambda v: v is False),
         "iso_k": integer(1),
         "iso_r": optional(number(0, strict=True), "none"),
+        "weight_init": _WEIGHT_INIT,
     },
 }
 

@@ -26,6 +26,8 @@ momentum_head (detector-v1m1) is not an option of detector-v1m2.
 What pimm does differently: an event whose every voxel is predicted stuff keeps its most thing-like voxel
 (published: an assertion error); attention-mask annealing, nms_pre and nms_max are
 refused at any value but the published recipes' (off); dropout and drop_path in the decoder likewise (0).
+`weight_init` is pimm's own: "trunc_normal" (the default) starts the decoder and the stuff head as published,
+"fan_in" as torch builds them (pimm.models.weight_init); the backbone has its own `weight_init`.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from pimm.models.query_detector import (
     instances_from_queries,
     padded_slots,
 )
+from pimm.models.weight_init import initialise
 
 # the other published options with no effect here: enable_flash, upcast_attention, upcast_softmax (attention is
 # SDPA, in the autocast dtype) and attn_mask_anneal_steps / _warmup_steps / _progressive_delay (no annealing)
@@ -87,7 +90,7 @@ class Detector(nn.Module):
                  mask_threshold: float = 0.5, conf_threshold: float = 0.5, nms_kernel: str = "gaussian",
                  nms_sigma: float = 2.0, nms_pre: int = -1, nms_max: int = -1, min_points: int = 2,
                  fill_uncovered: bool = False, momentum_head: bool = False, vertex_head: bool = False,
-                 grid_size: float = 1.0, grid_origin: float = 0.0) -> None:
+                 grid_size: float = 1.0, grid_origin: float = 0.0, weight_init: str = "trunc_normal") -> None:
         super().__init__()
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         check_model_arguments("detector-v1m1", arguments)
@@ -102,10 +105,11 @@ class Detector(nn.Module):
                                      mlp_ratio=a["mlp_ratio"], qkv_bias=a["qkv_bias"], point_position=a["pos_emb"],
                                      mlp_point_proj=a["mlp_point_proj"], momentum_head=a.get("momentum_head", False),
                                      vertex_head=a["vertex_head"], momentum_regressor=momentum_regressor,
-                                     predict_iou=predict_iou)
+                                     predict_iou=predict_iou, weight_init=a["weight_init"])
         if a["use_stuff_head"]:  # detector_v1m1.py:684-689, named as published: decoder.stuff_head.{0,2}
             self.decoder.stuff_head = nn.Sequential(nn.Linear(full_in_channels, hidden_channels), nn.ReLU(),
                                                     nn.Linear(hidden_channels, 1))
+            initialise(self.decoder.stuff_head, a["weight_init"])  # detector_v1m1.py:691 starts it with the rest
         self.num_classes = int(a["num_classes"])
         self.stuff_classes = tuple(int(c) for c in a["stuff_classes"] or [])
         self.use_stuff_head = bool(a["use_stuff_head"])

@@ -39,6 +39,8 @@ Where it differs from the published code, and why (docs/models.md says by how mu
 * `enable_rpe=True` is refused (the published recipes do not use it); `upcast_attention` and
   `upcast_softmax` are accepted and change nothing in float32 (attention runs through
   `scaled_dot_product_attention`).
+* `weight_init` is pimm's own: "trunc_normal" (the default) starts the layers as the published code does,
+  "fan_in" as torch builds them, at the scale of their width (pimm.models.weight_init).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from pimm.models.point_seg_net import cluster_mean
 from pimm.models.point_transformer import event_keys, event_uniforms, pack_keys, step_key
 from pimm.models.serialization import check_depth, encode
 from pimm.models.sparse_conv import SubMConv3d, VoxelSites
+from pimm.models.weight_init import initialise
 
 _ORDER_STREAM = 1 << 20  # keyed draws: the order permutation of level l uses streams _ORDER_STREAM + l
 _MAX_DEPTH = 16  # bits per axis, as the published serialization allows
@@ -396,7 +399,8 @@ class PointTransformerV3(nn.Module):
                  shuffle_orders=True, enable_rpe=False, enable_flash=True, full_attention=False,
                  upcast_attention=False, upcast_softmax=False, traceable=False, mask_token=False, enc_mode=False,
                  freeze_encoder=False, cpe_first_layer_only=False, cpe_shared_weight=False,
-                 embedding_act_layer=True, add_iso_features=False, iso_k=8, iso_r=None) -> None:
+                 embedding_act_layer=True, add_iso_features=False, iso_k=8, iso_r=None,
+                 weight_init="trunc_normal") -> None:
         super().__init__()
         check_backbone_arguments("PT-v3m2", {k: v for k, v in locals().items() if k not in ("self", "__class__")})
         stages = len(enc_depths)
@@ -454,14 +458,7 @@ class PointTransformerV3(nn.Module):
         if freeze_encoder:
             for p in [*self.embedding.parameters(), *self.enc.parameters()]:
                 p.requires_grad = False
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, SubMConv3d)):
-            nn.init.trunc_normal_(module.weight, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
+        initialise(self, weight_init)
 
     def begin_optimizer_step(self, step: int) -> None:
         """The trainer announces each optimizer step (1, 2, ...) before its micro-batches."""

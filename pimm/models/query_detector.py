@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pimm.models.weight_init import initialise
+
 # detector_v1m1.py:659 attn_mask_eps=1e-6
 ATTENTION_MASK_EPS = 1e-6
 # bias of padded (absent) points: exp(-1e4) is 0 in float32 and bfloat16, and it stays finite
@@ -254,6 +256,7 @@ class QueryDetector(nn.Module):
         vertex_head: bool = False,  # pimm's: nothing published
         momentum_regressor: bool = False,  # detector_v1m2_momentum.py:728, as published: momentum_regressor.backbone
         predict_iou: bool = False,  # detector_v1m2_momentum.py:731-733: iou_pred.mlp
+        weight_init: str = "trunc_normal",  # detector_v1m1.py:693-698; pimm.models.weight_init
     ) -> None:
         super().__init__()
         if hidden_channels % num_heads:
@@ -282,7 +285,7 @@ class QueryDetector(nn.Module):
         self.vertex_head = MLP(hidden_channels, hidden_channels, 3) if vertex_head else None
         self.momentum_regressor = MomentumRegressor(hidden_channels, num_classes) if momentum_regressor else None
         self.iou_pred = IoUPredictor(hidden_channels) if predict_iou else None
-        self.apply(_init_linear)
+        initialise(self, weight_init)
 
     def forward(self, feat: torch.Tensor, offset: torch.Tensor, coord: torch.Tensor | None = None,
                 rows: torch.Tensor | None = None) -> DecoderOutput:
@@ -325,14 +328,6 @@ class QueryDetector(nn.Module):
         vertex = self.vertex_head(q) if self.vertex_head is not None else None
         iou = self.iou_pred(q) if self.iou_pred is not None else None
         return BatchLayerPrediction(class_logits, mask_logits, momentum, vertex, iou)
-
-
-def _init_linear(module: nn.Module) -> None:
-    # detector_v1m1.py:693-698: truncated normal (std 0.02) weights, zero biases
-    if isinstance(module, nn.Linear):
-        nn.init.trunc_normal_(module.weight, std=0.02)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
 
 
 def padded_slots(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
