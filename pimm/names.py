@@ -13,6 +13,8 @@ DETECTORS = ("detector-v1m1", "detector-v1m2")  # the query detectors (pimm.mode
 BACKBONES = ("PT-v3m2",)  # DefaultSegmentorV2(backbone=dict(type=...)): pimm.config.validate.BACKBONE_OPTIONS
 # weight_init=... of PT-v3m2 and the detectors: how their linear layers start (pimm.models.weight_init)
 WEIGHT_INITS = ("trunc_normal", "fan_in")
+# how a query detector's queries start (pimm.models.query_detector): "learned" is the published, "anchored" pimm's
+QUERY_TYPES = ("learned", "anchored")
 # the `feat` columns every dataset gives a point (pimm.data.dataset): a model's in_channels must match
 FEATURE_COLUMNS = ("x", "y", "z", "log_energy")
 # how a dataset computes them (features=...): pimm.data.transforms.feature_columns

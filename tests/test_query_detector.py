@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from pimm.models.query_detector import (
+    ANCHOR_SCALE_START,
     DecoderOutput,
     EventPrediction,
     LayerPrediction,
     QueryDetector,
+    farthest_points,
     instances_from_queries,
 )
 from pimm.tasks.panoptic_loss import (
@@ -47,8 +49,9 @@ def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list
     return feat, coord, offset, targets
 
 
-def test_events_never_mix():
-    model = small_detector(momentum_head=True).eval()
+@pytest.mark.parametrize("query_type", ["learned", "anchored"])
+def test_events_never_mix(query_type):
+    model = small_detector(momentum_head=True, query_type=query_type).eval()
     feat, coord, offset, _ = batch()
     together = model(feat, offset, coord)
     start = 0
@@ -62,8 +65,9 @@ def test_events_never_mix():
         start += size
 
 
-def test_reading_some_rows_equals_decoding_those_rows_alone():
-    model = small_detector().eval()
+@pytest.mark.parametrize("query_type", ["learned", "anchored"])
+def test_reading_some_rows_equals_decoding_those_rows_alone(query_type):
+    model = small_detector(query_type=query_type).eval()
     feat, coord, offset, _ = batch()
     event = torch.repeat_interleave(torch.arange(len(EVENT_SIZES)), torch.tensor(EVENT_SIZES))
     rows = torch.tensor([n for n in range(len(feat)) if n % 3 != 1])
@@ -196,14 +200,50 @@ def test_matching_subsample_is_deterministic_given_the_generator():
     assert len(runs[0][0]) == 4
 
 
-def test_gradients_reach_every_parameter():
-    model = small_detector(momentum_head=True, vertex_head=True)
+@pytest.mark.parametrize("query_type", ["learned", "anchored"])
+def test_gradients_reach_every_parameter(query_type):
+    model = small_detector(momentum_head=True, vertex_head=True, query_type=query_type)
     feat, coord, offset, targets = batch()
     loss, terms = detector_loss(model(feat, offset, coord), targets)
     loss.backward()
     assert {"momentum", "vertex", "aux0_dice", "aux1_focal"} <= set(terms)
     missing = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert missing == []
+
+
+def test_farthest_points_picks_the_first_point_then_the_farthest_never_padding():
+    line = torch.zeros(2, 10, 3)
+    line[0, :, 0] = torch.arange(10.0)  # event 0: ten points on a line
+    line[1, :3, 1] = torch.tensor([0.0, 5.0, 1.0])  # event 1: three points, then padding (far away)
+    line[1, 3:] = 100.0
+    padding = torch.zeros(2, 10, dtype=torch.bool)
+    padding[1, 3:] = True
+    picked = farthest_points(line, padding, 5)
+    # event 0: 0, the far end 9, then 4 (4 from 0; 5 is as far, from 9: the first of a tie), 2 (2 from 0 and 4),
+    # and 6 (2 from 4; 7 is as far, from 9)
+    assert picked[0].tolist() == [0, 9, 4, 2, 6]
+    # event 1: 0, 5.0 (row 1), 1.0 (row 2); then every point is picked: anchors repeat, padding never
+    assert picked[1, :3].tolist() == [0, 1, 2] and set(picked[1].tolist()) <= {0, 1, 2}
+
+
+def test_anchored_masks_start_lowered_with_the_squared_distance_to_the_anchor():
+    model = small_detector(query_type="anchored").eval()
+    feat, coord, offset, _ = batch()
+    anchored = model(feat, offset, coord)
+    for block in model.blocks:
+        torch.nn.init.constant_(block.anchor_scale.bias, -100.0)  # softplus(-100) ~ 0: no spatial term
+    unanchored = model(feat, offset, coord)
+    start = 0
+    for b, size in enumerate(EVENT_SIZES):
+        points = coord[start:start + size]
+        anchor = points[farthest_points(points[None], torch.zeros(1, size, dtype=torch.bool), 6)[0]]
+        expected = ANCHOR_SCALE_START * torch.cdist(anchor, points).square() / model.anchor_length ** 2
+        # the first layer's masks come from the queries as they start: the term is all that differs
+        first = unanchored.event(b).layers[0].mask_logits - anchored.event(b).layers[0].mask_logits
+        torch.testing.assert_close(first, expected, rtol=1e-4, atol=1e-4)
+        start += size
+    assert {f"blocks.{i}.anchor_scale.weight" for i in range(3)} <= set(model.state_dict())
+    assert not any("anchor" in name for name in small_detector().state_dict())  # learned: the published names
 
 
 def test_event_targets_dense_ids_majority_class_and_means():
@@ -245,8 +285,12 @@ def test_post_processing_hand_made_event():
 def test_wrong_inputs_say_what_to_do():
     model = small_detector()
     feat, coord, offset, targets = batch()
-    with pytest.raises(ValueError, match="needs coord"):
+    with pytest.raises(ValueError, match="need coord"):
         model(feat, offset)
+    with pytest.raises(ValueError, match="query_type='superpoint' is not allowed"):
+        small_detector(query_type="superpoint")
+    with pytest.raises(ValueError, match="anchor_length=0 must be > 0"):
+        small_detector(query_type="anchored", anchor_length=0)
     with pytest.raises(ValueError, match="cumulative point count"):
         model(feat, torch.tensor([3, 100]), coord)
     with pytest.raises(ValueError, match="one EventTargets per event"):

@@ -23,6 +23,9 @@ model = dict(
     num_heads=2,
     depth=2,
     qkv_bias=True,
+    # pimm's own (published: "learned"): every query anchored at one of the event's voxels by farthest-point
+    # sampling, its mask logits lowered with the squared distance to it (docs/panoptic.md, "Anchored queries")
+    query_type="anchored",
     # at these widths (16 to 112 channels) the published trunc_normal(std=0.02) starts every layer far below the
     # scale of its input; "fan_in" starts them as torch does, for the decoder and (in both models) the encoder
     # (docs/panoptic.md, "Training from scratch at a small width")

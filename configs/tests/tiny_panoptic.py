@@ -24,6 +24,7 @@ model = dict(
     num_heads=4,
     depth=2,
     qkv_bias=True,
+    query_type="learned",  # as published; the test runs override it with pimm's "anchored"
     conf_threshold=0.5,  # post-processing (the published Detector's defaults), here to be overridden
     mask_threshold=0.5,
     stuff_threshold=0.5,

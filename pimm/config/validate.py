@@ -665,7 +665,9 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
         "attn_mask_warmup_steps": integer(0),
         "attn_mask_progressive": Rule("false (attention-mask annealing is not implemented)", lambda v: v is False),
         "attn_mask_progressive_delay": integer(0),
-        "query_type": Rule("'learned' (the only query type published)", lambda v: v == "learned"),
+        "query_type": Rule(f"one of {', '.join(names.QUERY_TYPES)} (learned is the only query type published; "
+                           "anchored is pimm's: queries anchored at farthest-point-sampled voxels)",
+                           lambda v: v in names.QUERY_TYPES),
         "use_stuff_head": BOOL,
         "stuff_classes": optional(_list_of("class indices >= 0", lambda x: _is_int(x) and x >= 0), "none"),
         "supervise_attn_mask": Rule("true (every decoder layer's masks are supervised)", lambda v: v is True),
@@ -685,6 +687,7 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
         "grid_size": number(0, strict=True),
         "grid_origin": Rule("a finite number", _is_number),
         "weight_init": _WEIGHT_INIT,
+        "anchor_length": number(0, strict=True),
     },
     # Sonata-style self-distillation (pimm.models.sonata): every published constructor argument, and pimm's own
     "Sonata-v1m1": {

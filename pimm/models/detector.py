@@ -28,6 +28,9 @@ What pimm does differently: an event whose every voxel is predicted stuff keeps 
 refused at any value but the published recipes' (off); dropout and drop_path in the decoder likewise (0).
 `weight_init` is pimm's own: "trunc_normal" (the default) starts the decoder and the stuff head as published,
 "fan_in" as torch builds them (pimm.models.weight_init); the backbone has its own `weight_init`.
+`query_type="anchored"` and `anchor_length` are pimm's own (published: "learned" only): queries anchored at
+farthest-point-sampled voxels, each mask logit lowered with the squared distance to the query's anchor
+(pimm.models.query_detector).
 """
 
 from __future__ import annotations
@@ -90,7 +93,8 @@ class Detector(nn.Module):
                  mask_threshold: float = 0.5, conf_threshold: float = 0.5, nms_kernel: str = "gaussian",
                  nms_sigma: float = 2.0, nms_pre: int = -1, nms_max: int = -1, min_points: int = 2,
                  fill_uncovered: bool = False, momentum_head: bool = False, vertex_head: bool = False,
-                 grid_size: float = 1.0, grid_origin: float = 0.0, weight_init: str = "trunc_normal") -> None:
+                 grid_size: float = 1.0, grid_origin: float = 0.0, weight_init: str = "trunc_normal",
+                 anchor_length: float = 0.0625) -> None:
         super().__init__()
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         check_model_arguments("detector-v1m1", arguments)
@@ -105,7 +109,8 @@ class Detector(nn.Module):
                                      mlp_ratio=a["mlp_ratio"], qkv_bias=a["qkv_bias"], point_position=a["pos_emb"],
                                      mlp_point_proj=a["mlp_point_proj"], momentum_head=a.get("momentum_head", False),
                                      vertex_head=a["vertex_head"], momentum_regressor=momentum_regressor,
-                                     predict_iou=predict_iou, weight_init=a["weight_init"])
+                                     predict_iou=predict_iou, weight_init=a["weight_init"],
+                                     query_type=a["query_type"], anchor_length=a["anchor_length"])
         if a["use_stuff_head"]:  # detector_v1m1.py:684-689, named as published: decoder.stuff_head.{0,2}
             self.decoder.stuff_head = nn.Sequential(nn.Linear(full_in_channels, hidden_channels), nn.ReLU(),
                                                     nn.Linear(hidden_channels, 1))

@@ -18,10 +18,21 @@ What pimm does differently: events are padded to one batch instead of flash-attn
 arithmetic); no stuff head (the published pid recipe filters "stuff" points with a point classifier
 before the decoder); the vertex head is pimm's (nothing is published for it), and so is momentum_head, the
 published regressor under pimm's earlier name (detector-v1m1 checkpoints keep it; detector-v1m2 has momentum_regressor).
+
+query_type="anchored" is pimm's own (published: "learned" only, detector_v1m1.py:750-761). Each event's queries get
+an anchor: Q of the points they read, picked by farthest-point sampling (the first point, then each time the point
+farthest from those picked). A query starts as its learned embeddings plus its anchor's projected feature and
+position embedding, and every layer's mask logit of a point has a spatial term subtracted,
+softplus(anchor_scale(q)) * |x - anchor|^2 / anchor_length^2, with the scale the layer reads from the query
+(starting at 0.1 for every query). A query can learn to keep to the neighbourhood of its anchor (a small
+particle) or to leave it (scale near 0, a long track): two particles of one class far apart are no longer the
+same to a query's mask. The anchors are a function of each event's points alone, the same at any batch
+composition and rank count.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +40,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pimm.models.weight_init import initialise
+from pimm.names import QUERY_TYPES
 
 # detector_v1m1.py:659 attn_mask_eps=1e-6
 ATTENTION_MASK_EPS = 1e-6
 # bias of padded (absent) points: exp(-1e4) is 0 in float32 and bfloat16, and it stays finite
 PADDING_BIAS = -1e4
+# query_type="anchored": every query's anchor scale starts at softplus(bias) = 0.1, so that a point anchor_length
+# from the anchor starts 0.1 lower in mask logit, one 4 lengths away 1.6 lower
+ANCHOR_SCALE_START = 0.1
 
 
 @dataclass
@@ -203,7 +218,7 @@ class SelfAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """Mask prediction, masked cross-attention to the points, self-attention among queries, FFN (pre-norm)."""
 
-    def __init__(self, channels: int, num_heads: int, mlp_ratio: float, qkv_bias: bool) -> None:
+    def __init__(self, channels: int, num_heads: int, mlp_ratio: float, qkv_bias: bool, anchored: bool = False) -> None:
         super().__init__()
         self.norm_kv = nn.LayerNorm(channels)
         self.mask_mlp = MLP(channels, channels, channels)
@@ -216,13 +231,18 @@ class DecoderLayer(nn.Module):
         # the published block's attention-mask annealing progress (detector_v1m1.py:326), in its checkpoints:
         # always 0 here (pimm does not anneal; validate refuses attn_mask_anneal=True), kept so they load by name
         self.register_buffer("anneal_progress", torch.zeros(()))
+        self.anchor_scale = nn.Linear(channels, 1) if anchored else None  # query_type="anchored" (pimm's)
 
     def forward(self, q: torch.Tensor, q_pos: torch.Tensor, points: torch.Tensor, point_pos: torch.Tensor,
-                padding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, q_pos (B, Q, C); points, point_pos (B, P, C); padding (B, P) True where no point
+                padding: torch.Tensor,
+                anchor_distance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, q_pos (B, Q, C); points, point_pos (B, P, C); padding (B, P) True where no point; anchor_distance
+        (B, Q, P) with query_type="anchored": |x - anchor|^2 / anchor_length^2
         -> (updated queries (B, Q, C), mask logits of the incoming queries (B, Q, P))."""
         points = self.norm_kv(points)
         mask_logits = torch.einsum("bqc,bpc->bqp", self.mask_mlp(q), points)
+        if anchor_distance is not None:
+            mask_logits = mask_logits.addcmul(F.softplus(self.anchor_scale(q)), anchor_distance, value=-1)
         # detached as published (detector_v1m1.py:447): the mask loss, not the attention, trains mask_mlp
         bias = mask_logits.detach().sigmoid().add_(ATTENTION_MASK_EPS).log_()
         bias.masked_fill_(padding.unsqueeze(1), PADDING_BIAS)
@@ -257,6 +277,8 @@ class QueryDetector(nn.Module):
         momentum_regressor: bool = False,  # detector_v1m2_momentum.py:728, as published: momentum_regressor.backbone
         predict_iou: bool = False,  # detector_v1m2_momentum.py:731-733: iou_pred.mlp
         weight_init: str = "trunc_normal",  # detector_v1m1.py:693-698; pimm.models.weight_init
+        query_type: str = "learned",  # detector_v1m1.py:750 ("learned", the only one published); "anchored": pimm's
+        anchor_length: float = 0.0625,  # pimm's: 8 voxels of pimm's x, y, z features (2 / 256 a voxel)
     ) -> None:
         super().__init__()
         if hidden_channels % num_heads:
@@ -264,6 +286,10 @@ class QueryDetector(nn.Module):
                              "choose num_heads that divides it")
         if num_queries < 1 or depth < 1:
             raise ValueError(f"num_queries={num_queries} and depth={depth} must both be at least 1")
+        if query_type not in QUERY_TYPES:
+            raise ValueError(f"query_type={query_type!r} is not allowed: use one of {', '.join(QUERY_TYPES)}")
+        if not anchor_length > 0:
+            raise ValueError(f"anchor_length={anchor_length!r} must be > 0 (a length in the decoder's coordinates)")
         if momentum_head and momentum_regressor:
             raise ValueError("momentum_head and momentum_regressor are the same head under two names (pimm's and the "
                              "published); build the decoder with one of them")
@@ -275,7 +301,9 @@ class QueryDetector(nn.Module):
                                       nn.Linear(hidden_channels, hidden_channels)) if point_position else None)
         self.full_point_proj = (MLP(in_channels, hidden_channels, hidden_channels) if mlp_point_proj
                                 else nn.Linear(in_channels, hidden_channels))
-        self.blocks = nn.ModuleList(DecoderLayer(hidden_channels, num_heads, mlp_ratio, qkv_bias)
+        self.anchored = query_type == "anchored"
+        self.anchor_length = float(anchor_length)
+        self.blocks = nn.ModuleList(DecoderLayer(hidden_channels, num_heads, mlp_ratio, qkv_bias, self.anchored)
                                     for _ in range(depth))
         self.final_norm = nn.LayerNorm(hidden_channels)
         self.cls_pred = (MLP(hidden_channels, hidden_channels, num_classes + 1) if mlp_point_proj
@@ -286,6 +314,9 @@ class QueryDetector(nn.Module):
         self.momentum_regressor = MomentumRegressor(hidden_channels, num_classes) if momentum_regressor else None
         self.iou_pred = IoUPredictor(hidden_channels) if predict_iou else None
         initialise(self, weight_init)
+        for block in self.blocks if self.anchored else ():
+            nn.init.zeros_(block.anchor_scale.weight)
+            nn.init.constant_(block.anchor_scale.bias, math.log(math.expm1(ANCHOR_SCALE_START)))
 
     def forward(self, feat: torch.Tensor, offset: torch.Tensor, coord: torch.Tensor | None = None,
                 rows: torch.Tensor | None = None) -> DecoderOutput:
@@ -294,9 +325,9 @@ class QueryDetector(nn.Module):
 
         rows (long, ascending): the rows of feat and coord the queries read (offset counts them); None: all. The
         projections run on every row and the rows are picked from their outputs: fewer channels to gather."""
-        if self.pos_emb is not None and coord is None:
-            raise ValueError("QueryDetector(point_position=True) needs coord (N, 3): pass the points' "
-                             "coordinates, or build it with point_position=False")
+        if (self.pos_emb is not None or self.anchored) and coord is None:
+            raise ValueError("QueryDetector(point_position=True) and query_type='anchored' need coord (N, 3): pass "
+                             "the points' coordinates, or build it with point_position=False and query_type='learned'")
         counts = torch.diff(offset, prepend=offset.new_zeros(1)).tolist()
         read = len(feat) if rows is None else len(rows)
         if read != sum(counts) or min(counts) < 1:
@@ -311,9 +342,16 @@ class QueryDetector(nn.Module):
         batch = len(counts)
         q = self.query_feat.weight.unsqueeze(0).expand(batch, -1, -1)
         q_pos = self.query_embed.weight.unsqueeze(0).expand(batch, -1, -1)
+        anchor_distance = None
+        if self.anchored:
+            position = _pad_events(coord.float(), slot)  # float32 under autocast too: distances of voxels
+            anchor = farthest_points(position, padding, q.shape[1])
+            q = q + _pick(points, anchor)
+            q_pos = q_pos + _pick(point_pos, anchor)
+            anchor_distance = torch.cdist(_pick(position, anchor), position).square_().div_(self.anchor_length ** 2)
         layers = []
         for block in self.blocks:
-            q, mask_logits = block(q, q_pos, points, point_pos, padding)
+            q, mask_logits = block(q, q_pos, points, point_pos, padding, anchor_distance)
             layers.append(self._heads(q, mask_logits))
         return DecoderOutput(layers, counts)
 
@@ -328,6 +366,32 @@ class QueryDetector(nn.Module):
         vertex = self.vertex_head(q) if self.vertex_head is not None else None
         iou = self.iou_pred(q) if self.iou_pred is not None else None
         return BatchLayerPrediction(class_logits, mask_logits, momentum, vertex, iou)
+
+
+@torch.no_grad()
+def farthest_points(position: torch.Tensor, padding: torch.Tensor, count: int) -> torch.Tensor:
+    """position (B, P, 3), padding (B, P) True where no point -> (B, count) indices of each event's anchors: its
+    first point, then each time the point farthest from those already picked (a point picked again once every
+    point is picked: an event of fewer points than count repeats anchors). Padding is never picked."""
+    batch = torch.arange(len(position), device=position.device)
+    norm = position.square().sum(-1).unsqueeze(1)  # (B, 1, P): |x - c|^2 = |x|^2 - 2 x.c + |c|^2, one product a pick
+    points = position.transpose(1, 2)
+    nearest = torch.full(padding.shape, math.inf, dtype=position.dtype, device=position.device)
+    nearest.masked_fill_(padding, -1.0)  # below every (squared) distance: never the farthest, never lowered
+    picked = torch.zeros(len(position), count, dtype=torch.long, device=position.device)
+    current = picked[:, 0]
+    for i in range(1, count):
+        centre = position[batch, current].unsqueeze(1)  # (B, 1, 3)
+        distance = torch.baddbmm(norm, centre, points, alpha=-2).squeeze(1).add_(centre.square().sum(-1))
+        torch.minimum(nearest, distance, out=nearest)
+        current = nearest.argmax(1)
+        picked[:, i] = current
+    return picked
+
+
+def _pick(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values (B, P, C), index (B, K) -> (B, K, C): each event's rows at its indices."""
+    return values.gather(1, index.unsqueeze(-1).expand(-1, -1, values.shape[-1]))
 
 
 def padded_slots(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
