@@ -25,6 +25,7 @@ model = dict(
     depth=2,
     qkv_bias=True,
     query_type="learned",  # as published; the test runs override it with pimm's "anchored"
+    anchor_length=0.0625,  # pimm's: the anchored queries' length unit (the default, 8 voxels)
     conf_threshold=0.5,  # post-processing (the published Detector's defaults), here to be overridden
     mask_threshold=0.5,
     stuff_threshold=0.5,
