@@ -224,6 +224,11 @@ def test_farthest_points_picks_the_first_point_then_the_farthest_never_padding()
     assert picked[0].tolist() == [0, 9, 4, 2, 6]
     # event 1: 0, 5.0 (row 1), 1.0 (row 2); then every point is picked: anchors repeat, padding never
     assert picked[1, :3].tolist() == [0, 1, 2] and set(picked[1].tolist()) <= {0, 1, 2}
+    # under autocast (bfloat16 products would lose 1/256 of |x|^2) the picks are the same
+    points = torch.rand(1, 500, 3, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    alone = farthest_points(points, torch.zeros(1, 500, dtype=torch.bool), 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert farthest_points(points, torch.zeros(1, 500, dtype=torch.bool), 32).tolist() == alone.tolist()
 
 
 def test_anchored_masks_start_lowered_with_the_squared_distance_to_the_anchor():

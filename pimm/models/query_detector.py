@@ -372,7 +372,13 @@ class QueryDetector(nn.Module):
 def farthest_points(position: torch.Tensor, padding: torch.Tensor, count: int) -> torch.Tensor:
     """position (B, P, 3), padding (B, P) True where no point -> (B, count) indices of each event's anchors: its
     first point, then each time the point farthest from those already picked (a point picked again once every
-    point is picked: an event of fewer points than count repeats anchors). Padding is never picked."""
+    point is picked: an event of fewer points than count repeats anchors). Padding is never picked. In the
+    dtype of `position` whatever autocast says (it would take the products to bfloat16: 8 bits of |x|^2)."""
+    with torch.autocast(position.device.type, enabled=False):
+        return _farthest_points(position, padding, count)
+
+
+def _farthest_points(position: torch.Tensor, padding: torch.Tensor, count: int) -> torch.Tensor:
     batch = torch.arange(len(position), device=position.device)
     norm = position.square().sum(-1).unsqueeze(1)  # (B, 1, P): |x - c|^2 = |x|^2 - 2 x.c + |c|^2, one product a pick
     points = position.transpose(1, 2)
