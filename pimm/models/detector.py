@@ -46,6 +46,7 @@ from pimm.config.validate import check_model_arguments
 from pimm.models.point_seg_net import cluster_mean
 from pimm.models.point_transformer_v3m2 import PointTransformerV3, grid_sample, point_features
 from pimm.models.query_detector import (
+    ANCHOR_LENGTH,
     PADDING_BIAS,
     DecoderOutput,
     EventInstances,
@@ -94,7 +95,7 @@ class Detector(nn.Module):
                  nms_sigma: float = 2.0, nms_pre: int = -1, nms_max: int = -1, min_points: int = 2,
                  fill_uncovered: bool = False, momentum_head: bool = False, vertex_head: bool = False,
                  grid_size: float = 1.0, grid_origin: float = 0.0, weight_init: str = "trunc_normal",
-                 anchor_length: float = 0.0625) -> None:
+                 anchor_length: float = ANCHOR_LENGTH) -> None:
         super().__init__()
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         check_model_arguments("detector-v1m1", arguments)

@@ -49,6 +49,9 @@ PADDING_BIAS = -1e4
 # query_type="anchored": every query's anchor scale starts at softplus(bias) = 0.1, so that a point anchor_length
 # from the anchor starts 0.1 lower in mask logit, one 4 lengths away 1.6 lower
 ANCHOR_SCALE_START = 0.1
+# query_type="anchored": the default length unit of the distance term, 8 voxels of pimm's x, y, z features (2 / 256 a
+# voxel); the detectors' default too
+ANCHOR_LENGTH = 0.0625
 
 
 @dataclass
@@ -278,7 +281,7 @@ class QueryDetector(nn.Module):
         predict_iou: bool = False,  # detector_v1m2_momentum.py:731-733: iou_pred.mlp
         weight_init: str = "trunc_normal",  # detector_v1m1.py:693-698; pimm.models.weight_init
         query_type: str = "learned",  # detector_v1m1.py:750 ("learned", the only one published); "anchored": pimm's
-        anchor_length: float = 0.0625,  # pimm's: 8 voxels of pimm's x, y, z features (2 / 256 a voxel)
+        anchor_length: float = ANCHOR_LENGTH,  # pimm's
     ) -> None:
         super().__init__()
         if hidden_channels % num_heads:
