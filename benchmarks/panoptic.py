@@ -27,7 +27,8 @@ Rows of the table, every one scored by PanopticAccumulator on the held-out event
 - DBSCAN on the true classes.
 Each DBSCAN row uses the radius of --eps that gives it the best ARI (all labelled) on --select-events training
 events, never the held-out ones. Also printed: the instances per held-out event of each row and the true particles
-per event (purity and efficiency are means over instances: many small instances raise purity), and the share of
+per event (purity and efficiency are means over instances: many small instances raise purity; printed below the
+table also weighted by points, purity_pooled and efficiency_pooled), and the share of
 the held-out particles that some query's mask (sigmoid > the config's mask_threshold, over the labelled points)
 covers at IoU >= the task's threshold, what the best post-processing could keep; the mean training step of the
 detector against the semantic model's (same backbone, same batches) and the share of the detector's step spent in
@@ -494,6 +495,9 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|" + "---:|" * len(COLUMNS))
     for name, result in rows.items():
         print(f"| {labels[name]} | " + " | ".join(fmt(result[c]) for c in COLUMNS) + " |")
+    print("\npurity / efficiency weighted by points (purity_pooled, efficiency_pooled): "
+          + "; ".join(f"{labels[name]} {fmt(result['purity_pooled'])} / {fmt(result['efficiency_pooled'])}"
+                      for name, result in rows.items()))
     print_timing(timing)
     if args.out:
         args.out.write_text(json.dumps({

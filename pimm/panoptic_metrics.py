@@ -20,6 +20,10 @@ Instance metrics (sizes count every point of an instance in the event; overlaps 
 true and a predicted instance):
 - `purity`: mean over predicted instances of (largest overlap with one true instance) / size.
 - `efficiency`: mean over true instances of (largest overlap with one predicted instance) / size.
+  Both are means over instances, so a clustering that splits off many small pieces (each pure) raises
+  purity; `PanopticAccumulator.result` also gives them weighted by points, pooled over every instance
+  of every event, as `purity_pooled` (sum of largest overlaps / sum of sizes, over predicted instances)
+  and `efficiency_pooled` (the same over true instances), where a piece counts by its size.
 - `dice`: symmetric best Dice, the mean of (mean over true instances of the best Dice 2|T∩P|/(|T|+|P|)
   against any predicted instance) and the same over predicted instances; 0 when one side is empty.
 - `detection_precision`, `detection_recall`, `detection_f1`, `matched_iou`: instances matched one to
@@ -49,6 +53,7 @@ Pooled over the events (one list of matched pairs, or summed counts):
   matrix (true class of the true instance vs predicted class of the predicted instance, on the
   detection matches with both classes known), of the per-class values; an undefined precision or
   recall of a present class counts 0 (sklearn's zero_division=0). `confusion_matrix()` returns it.
+- `purity_pooled`, `efficiency_pooled`: purity and efficiency weighted by points (above).
 - `pq_pooled`, `sq_pooled`, `rq_pooled` (and per class): the paper's dataset-level numbers, TP, FP, FN
   and IoU sums added over all events per class, then averaged over the classes with TP + FP + FN > 0.
 - `momentum_bias_<class>`, `momentum_rms_<class>`: mean and root mean square of (pred - true) / true
@@ -78,6 +83,7 @@ STATE_KEYS = (
     "event_id",
     "event_values",
     "detection_counts",
+    "cluster_points",
     "pq_counts",
     "pair_event_id",
     "pair_true_class",
@@ -344,6 +350,8 @@ class EventRecord:
 
     values: np.ndarray  # (len(EVENT_METRICS),)
     detection_counts: np.ndarray  # (4,) true instances, predicted instances, matches, IoU sum of the matches
+    # (4,) summed over predicted instances: largest overlap, size; over true instances: largest overlap, size
+    cluster_points: np.ndarray
     pq_counts: np.ndarray  # (C, 4) TP, FP, FN, IoU sum
     pair_true_class: np.ndarray  # (M,) per detection match, by true instance
     pair_pred_class: np.ndarray  # (M,)
@@ -442,6 +450,8 @@ def evaluate_event(true_instance: np.ndarray, pred_instance: np.ndarray, true_cl
     return EventRecord(
         values=np.array([values[k] for k in EVENT_METRICS], dtype=np.float64),
         detection_counts=np.array([n_true, n_pred, matched, matched_iou.sum()], dtype=np.float64),
+        cluster_points=np.array([best_of_pred.sum(), ov.pred_sizes.sum(), best_of_true.sum(), ov.true_sizes.sum()],
+                                dtype=np.float64),
         pq_counts=pq_counts,
         pair_true_class=instance_classes(ov.true_code, n_true, t_cls, num_classes)[t_match],
         pair_pred_class=instance_classes(ov.pred_code, n_pred, p_cls, num_classes)[p_match],
@@ -498,6 +508,7 @@ class PanopticAccumulator:
             "event_id": np.asarray(ids, dtype=np.int64),
             "event_values": np.stack([r.values for r in records]) if records else np.zeros((0, len(EVENT_METRICS))),
             "detection_counts": np.stack([r.detection_counts for r in records]) if records else np.zeros((0, 4)),
+            "cluster_points": np.stack([r.cluster_points for r in records]) if records else np.zeros((0, 4)),
             "pq_counts": (np.stack([r.pq_counts for r in records]) if records
                           else np.zeros((0, self.num_classes, 4))),
             "pair_event_id": np.repeat(np.asarray(ids, dtype=np.int64), pairs),
@@ -529,6 +540,7 @@ class PanopticAccumulator:
                 self._events[event_id] = EventRecord(
                     values=np.asarray(state["event_values"][row], dtype=np.float64),
                     detection_counts=np.asarray(state["detection_counts"][row], dtype=np.float64),
+                    cluster_points=np.asarray(state["cluster_points"][row], dtype=np.float64),
                     pq_counts=np.asarray(state["pq_counts"][row], dtype=np.float64),
                     pair_true_class=np.asarray(state["pair_true_class"])[own],
                     pair_pred_class=np.asarray(state["pair_pred_class"])[own],
@@ -567,6 +579,9 @@ class PanopticAccumulator:
         out["detection_recall_pooled"] = matched / n_true if n_true else _NAN
         out["detection_f1_pooled"] = 2 * matched / (n_true + n_pred) if n_true + n_pred else _NAN
         out["matched_iou_pooled"] = iou_sum / matched if matched else _NAN
+        pred_best, pred_points, true_best, true_points = map(float, state["cluster_points"].sum(axis=0))
+        out["purity_pooled"] = pred_best / pred_points if pred_points else _NAN
+        out["efficiency_pooled"] = true_best / true_points if true_points else _NAN
 
         confusion = self._confusion(state).astype(np.float64)
         tp, truth, predicted = np.diag(confusion), confusion.sum(1), confusion.sum(0)

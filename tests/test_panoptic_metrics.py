@@ -135,6 +135,27 @@ def test_purity_efficiency_dice_detection_by_hand():
     assert m["matched_iou"] == pytest.approx((3 / 5 + 2 / 3) / 2)  # 19/30
 
 
+def test_point_weighted_purity_and_efficiency_pool_every_instance():
+    acc = PanopticAccumulator(3, stuff_classes=(2,))
+    acc.update(0, TRUE_INSTANCE, PRED_INSTANCE, TRUE_CLASS, PRED_CLASS)
+    # purity: (3 + 2) of (4 + 3) predicted points; efficiency: (3 + 2 + 0) of (4 + 2 + 1) true points
+    r = acc.result()
+    assert r["purity_pooled"] == pytest.approx(5 / 7) and r["efficiency_pooled"] == pytest.approx(5 / 7)
+    # a second event of one true instance split into one big and three single-point pieces: the mean over
+    # instances counts the pieces as pure instances, the pooled value by their points
+    true, pred = np.zeros(10, int), np.array([0] * 5 + [1] * 2 + [2, 3, 4])
+    acc.update(1, true, pred, np.zeros(10, int), np.zeros(10, int))
+    assert acc.per_event()["purity"][1] == 1.0 and acc.per_event()["efficiency"][1] == pytest.approx(0.5)
+    r = acc.result()
+    assert r["purity_pooled"] == pytest.approx((5 + 10) / (7 + 10))
+    assert r["efficiency_pooled"] == pytest.approx((5 + 5) / (7 + 10))
+    # an event without predicted instances adds true points only
+    acc.update(2, true, np.full(10, -1), np.zeros(10, int), np.full(10, 2))
+    assert acc.result()["purity_pooled"] == r["purity_pooled"]
+    assert acc.result()["efficiency_pooled"] == pytest.approx((5 + 5) / (7 + 10 + 10))
+    assert math.isnan(PanopticAccumulator(3).result()["purity_pooled"])
+
+
 def test_panoptic_quality_by_hand():
     m = hand_event().metrics()
     # class 0: T0 vs P5 (IoU 3/5) TP, P7 FP -> PQ 0.6 / (1 + 1/2) = 0.4, SQ 0.6, RQ 2/3
