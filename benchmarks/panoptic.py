@@ -35,12 +35,9 @@ detector against the semantic model's (same backbone, same batches) and the shar
 the Hungarian assignment (pimm.tasks.panoptic_loss.assign_queries, scipy's linear_sum_assignment, timed by wrapping it).
 
 With --timing-pairs N only the step times are measured (N pairs after the warm-up, nothing trained to the budget,
-nothing scored), each model in a process of its own, the two stepping in turn. In one process (the full run) the
-two models share one heap, which the C library shrinks after a step and grows again in the next: the step that
-reaches the larger peak (the detector's) takes the new pages for both, so the full run's ratio leans against the
-detector; with --timing-pairs each model grows its own heap, as in a training run. For model sizes too slow to
-train here, e.g. the published particle detector and a semantic model on its encoder (--detector-config
-bench/panoptic_detector_published --semantic-config bench/panoptic_semseg_published).
+nothing scored): for model sizes too slow to train here, e.g. the published particle detector and a semantic
+model on its encoder (--detector-config bench/panoptic_detector_published --semantic-config
+bench/panoptic_semseg_published).
 """
 
 from __future__ import annotations
@@ -48,14 +45,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -417,77 +412,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def print_timing(timing: dict[str, float], apart: bool) -> None:
-    where = "each model in a process of its own" if apart else "both models in this process (--timing-pairs: apart)"
-    print(f"\ntraining step, {where}, mean of {timing['pairs']} alternating steps on the same batches: detector "
+def print_timing(timing: dict[str, float]) -> None:
+    print(f"\ntraining step, mean of {timing['pairs']} alternating steps on the same batches: detector "
           f"{1000 * timing['detector_step_s']:.0f} ms, semantic {1000 * timing['semantic_step_s']:.0f} ms, ratio "
           f"{timing['ratio']:.2f}x (goal <= 1.3x; of medians {timing['ratio_of_medians']:.2f}x, of CPU time "
           f"{timing['ratio_cpu']:.2f}x); Hungarian assignment "
           f"{100 * timing['matching_share']:.1f}% of the detector's step")
 
 
-def step_server(name: str, config: str, data: str, seed: int, connection: Connection) -> None:
-    """One model in a process of its own (--timing-pairs): on each True received, one step on its next batch at the
-    schedule's start, answered with (wall seconds, CPU seconds, seconds in the Hungarian assignment); False ends it.
-    Its batches are the same as the other model's (training_batches of the same events and seed)."""
-    trainee = build_trainee(name, config)
-    batches = training_batches(read_events(trainee.cfg, Path(data), "train"), int(trainee.cfg["batch_size"]), seed)
-    with MatchTimer() as timer:
-        connection.send("ready")
-        while connection.recv():
-            trainee.set_lr(0.0)
-            trainee.step(next(batches), timer)
-            connection.send((trainee.step_seconds[-1], trainee.step_cpu_seconds[-1], trainee.match_seconds[-1]))
-
-
-def time_steps_apart(detector: Trainee, semantic: Trainee, data: str, args: argparse.Namespace) -> None:
-    """Each model steps in a process of its own, the two in turn (ABBA) on the same batches: each step grows and
-    frees its own process's heap, as a training run does, where in one process the step of the larger peak also
-    pays for the other's (new pages from the system). Fills the trainees' step lists."""
-    context = multiprocessing.get_context("spawn")
-    servers = []
-    for trainee, config in ((detector, args.detector_config), (semantic, args.semantic_config)):
-        ours, theirs = context.Pipe()
-        process = context.Process(target=step_server, args=(trainee.name, config, data, args.seed, theirs))
-        process.start()
-        servers.append((trainee, process, ours))
-    try:
-        for trainee, process, connection in servers:
-            _answer(trainee, process, connection)
-        for pair in range(WARMUP_PAIRS + args.timing_pairs):
-            for trainee, process, connection in servers if pair % 2 == 0 else servers[::-1]:
-                connection.send(True)
-                wall, cpu, match = _answer(trainee, process, connection)
-                trainee.step_seconds.append(wall)
-                trainee.step_cpu_seconds.append(cpu)
-                trainee.match_seconds.append(match)
-        for _, _, connection in servers:
-            connection.send(False)
-    finally:
-        for _, process, _ in servers:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-
-
-def _answer(trainee: Trainee, process: multiprocessing.Process, connection: Connection):
-    try:
-        return connection.recv()
-    except EOFError:
-        process.join(timeout=30)
-        raise SystemExit(f"benchmarks/panoptic.py: the {trainee.name} model's step process ended (exit code "
-                         f"{process.exitcode}); its error is above") from None
-
-
-def time_steps(detector: Trainee, semantic: Trainee, events: PILArNetDataset, data: str,
-               args: argparse.Namespace) -> None:
-    """--timing-pairs: the step-time ratio alone, each model in a process of its own."""
-    time_steps_apart(detector, semantic, data, args)
+def time_steps(detector: Trainee, semantic: Trainee, events: PILArNetDataset, args: argparse.Namespace) -> None:
+    """--timing-pairs: the step-time ratio alone."""
+    train(detector, semantic, events, Budget(), args.seed, max_pairs=WARMUP_PAIRS + args.timing_pairs)
     timing = step_timing(detector, semantic)
     points = np.mean([len(events[i]["coord"]) for i in range(len(events))])
     print(f"{args.detector_config} against {args.semantic_config}, batches of {detector.cfg['batch_size']} "
           f"generated events of {points:.0f} voxels on average")
-    print_timing(timing, apart=True)
+    print_timing(timing)
     if args.out:
         args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "voxels_per_event": points,
                                         "timing": timing}, default=float) + "\n")
@@ -516,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{len(train_events)} training events are fewer than one batch "
                              f"({detector.cfg['batch_size']}); raise --events")
         if args.timing_pairs:
-            return time_steps(detector, semantic, train_events, tmp, args)
+            return time_steps(detector, semantic, train_events, args)
         start = time.perf_counter()
         budget = Budget(steps=args.steps) if args.steps is not None else Budget(seconds=args.seconds)
         train(detector, semantic, train_events, budget, args.seed)
@@ -558,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\npurity / efficiency weighted by points (purity_pooled, efficiency_pooled): "
           + "; ".join(f"{labels[name]} {fmt(result['purity_pooled'])} / {fmt(result['efficiency_pooled'])}"
                       for name, result in rows.items()))
-    print_timing(timing, apart=False)
+    print_timing(timing)
     if args.out:
         args.out.write_text(json.dumps({
             "settings": vars(args) | {"out": str(args.out)}, "voxels_per_event": points, "training": training,
