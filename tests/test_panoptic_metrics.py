@@ -141,7 +141,7 @@ def test_point_weighted_purity_and_efficiency_pool_every_instance():
     # purity: (3 + 2) of (4 + 3) predicted points; efficiency: (3 + 2 + 0) of (4 + 2 + 1) true points
     r = acc.result()
     assert r["purity_pooled"] == pytest.approx(5 / 7) and r["efficiency_pooled"] == pytest.approx(5 / 7)
-    # a second event of one true instance split into one big and three single-point pieces: the mean over
+    # a second event of one true instance split into pieces of 5, 2, 1, 1 and 1 points: the mean over
     # instances counts the pieces as pure instances, the pooled value by their points
     true, pred = np.zeros(10, int), np.array([0] * 5 + [1] * 2 + [2, 3, 4])
     acc.update(1, true, pred, np.zeros(10, int), np.zeros(10, int))
