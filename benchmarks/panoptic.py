@@ -43,6 +43,7 @@ bench/panoptic_semseg_published).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -350,15 +351,21 @@ def evaluate(detector: Trainee, semantic: Trainee, events: PILArNetDataset, eps:
     IoU >= the task's threshold."""
     task = detector.task
     detector.model.eval()
-    rows = {"detector": new_meter(task), "predicted": new_meter(task), "true": new_meter(task)}
+    connected = detector.model.connect is not None
+    rows = {"detector": new_meter(task), **({"connected": new_meter(task)} if connected else {}),
+            "predicted": new_meter(task), "true": new_meter(task)}
     instances = dict.fromkeys(("particles", *rows), 0)
     covered = 0
     for event in semantic_predictions(task, semantic, events, len(events)):
         batch = event.batch
         output = detector.model(batch["coord"], batch["feat"], batch["offset"], event_id=batch["event_id"])
-        (event_id, found), = event_arrays(task, batch, output)  # as pimm test scores the detector
-        rows["detector"].update(event_id, **found)
-        instances["detector"] += int(found["pred_instance"].max()) + 1
+        outputs = {"connected": output} if connected else {}
+        outputs["detector"] = dataclasses.replace(output, instances=detector.model.instances(
+            output, batch["coord"], connect=False))
+        for name, scored in outputs.items():
+            (event_id, found), = event_arrays(task, batch, scored)  # as pimm test scores the detector
+            rows[name].update(event_id, **found)
+            instances[name] += int(found["pred_instance"].max()) + 1
         hits, count = mask_recall(output.events[0].final.mask_logits, event.true_instance,
                                   detector.model.postprocess["mask_threshold"], task.iou_threshold)
         covered, instances["particles"] = covered + hits, instances["particles"] + count
@@ -472,7 +479,10 @@ def main(argv: list[str] | None = None) -> None:
                          "last_loss": statistics.fmean(t.losses[-5:]),
                          "lr": t.cfg["optimizer"]["lr"], "scheduler": t.cfg.get("scheduler")}
                 for t in (detector, semantic)}
-    labels = {"detector": "detector (detector-v1m1)",
+    connect = detector.model.connect
+    labels = {"detector": f"detector ({detector.cfg['model']['type']}), published post-processing",
+              **({"connected": f"detector, + connected pieces (radius {connect['radius']:g}, "
+                               f">= {connect['min_points']} points)"} if connect else {}),
               "predicted": f"DBSCAN eps {eps['predicted']:g}, predicted semantics",
               "true": f"DBSCAN eps {eps['true']:g}, true semantics"}
 
@@ -486,9 +496,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"DBSCAN radius by ARI (all labelled) on {min(args.select_events, len(train_events))} training events: "
           + "; ".join(f"{side} semantics {eps[side]:g} ({sweep[side][str(eps[side])]:.3f})" for side in eps))
     per_event = found["instances_per_event"]
-    print(f"instances per held-out event: {per_event['particles']:.1f} true particles; detector "
-          f"{per_event['detector']:.1f}, DBSCAN on predicted semantics {per_event['predicted']:.1f}, on true semantics "
-          f"{per_event['true']:.1f}")
+    print(f"instances per held-out event: {per_event['particles']:.1f} true particles; "
+          + "; ".join(f"{labels[name]} {count:.1f}" for name, count in per_event.items() if name != "particles"))
     print(f"detector: {100 * found['mask_recall']:.0f}% of the held-out particles have a query mask at IoU >= "
           f"{detector.task.iou_threshold:g} (what the best post-processing could keep)\n")
     print("| method | " + " | ".join(HEADERS) + " |")

@@ -185,8 +185,9 @@ def test_rank_start_benchmark_times_a_launch_of_each_start():
 
 def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     """benchmarks/panoptic.py on a few small generated events, 3 training steps per model (--steps: the same
-    training on any machine, said in the output): the detector's row and both DBSCAN rows, the step-time ratio and
-    the matching share (no score asserted)."""
+    training on any machine, said in the output): the detector's rows (the published post-processing, and the
+    config's connected pieces) and both DBSCAN rows, the step-time ratio and the matching share (no score
+    asserted)."""
     out = tmp_path / "p.json"
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "panoptic.py"), "--steps", "3", "--events", "8",
                           "--test-events", "3", "--select-events", "3", "--points-per-event", "300", "--eps", "2,6",
@@ -197,9 +198,10 @@ def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     assert "3 training steps per model" in res.stdout
     table = [line for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     rows = [line.split("|")[1].strip() for line in table]
-    assert rows[0] == "method" and rows[1] == "detector (detector-v1m1)"
-    assert rows[2].startswith("DBSCAN eps ") and rows[2].endswith(", predicted semantics")
-    assert rows[3].startswith("DBSCAN eps ") and rows[3].endswith(", true semantics")
+    assert rows[:3] == ["method", "detector (detector-v1m1), published post-processing",
+                        "detector, + connected pieces (radius 12, >= 20 points)"]
+    assert rows[3].startswith("DBSCAN eps ") and rows[3].endswith(", predicted semantics")
+    assert rows[4].startswith("DBSCAN eps ") and rows[4].endswith(", true semantics")
     result = json.loads(out.read_text())
     assert set(result["eps"].values()) <= {2.0, 6.0}
     assert set(result["dbscan_radius_selection"]["true"]) == {"2.0", "6.0"}
@@ -215,9 +217,8 @@ def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     per_event = result["instances_per_event"]
     assert list(per_event) == ["true particles", *rows[1:]]
     assert per_event["true particles"] > 0 and all(count >= 0 for count in per_event.values())
-    assert (f"instances per held-out event: {per_event['true particles']:.1f} true particles; detector "
-            f"{per_event[rows[1]]:.1f}, DBSCAN on predicted semantics {per_event[rows[2]]:.1f}, on true semantics "
-            f"{per_event[rows[3]]:.1f}") in res.stdout
+    assert (f"instances per held-out event: {per_event['true particles']:.1f} true particles; "
+            + "; ".join(f"{row} {per_event[row]:.1f}" for row in rows[1:])) in res.stdout
     assert f"{100 * result['detector_mask_recall']:.0f}% of the held-out particles have a query mask at IoU >= 0.5" \
         in res.stdout
 

@@ -11,6 +11,7 @@ from pimm.models.query_detector import (
     EventPrediction,
     LayerPrediction,
     QueryDetector,
+    connected_pieces,
     farthest_points,
     instances_from_queries,
 )
@@ -285,6 +286,50 @@ def test_post_processing_hand_made_event():
     thing = torch.tensor([True, True, True, True, False, False, True, True])
     limited = instances_from_queries(class_logits, mask_logits, thing=thing)
     assert limited.instance.tolist() == [0, 0, 0, 0, -1, -1, -1, -1] and limited.query.tolist() == [0]
+
+
+def test_connected_pieces_cut_instances_where_their_points_are_apart_and_keep_thing_points_nobody_took():
+    """Points on a line, connected within 1.5: query 0's mask has a 4-point piece, a 3-point piece 17 away (an
+    instance of its own at min_points 3) and a lone point (it stays); the free thing points 80-82 become an instance
+    of query 2 (no candidate: no-object is its most probable class), class 0 (class 2 is stuff), its score that
+    class's probability times its mean mask probability (0.5); the free points 4 (beside query 0's piece, not of it)
+    and 100 (alone) and the stuff point 120 stay in no instance. Numbered again by decreasing score."""
+    big = 12.0
+    x = [0, 1, 2, 3, 4, 20, 21, 22, 40, 60, 61, 80, 81, 82, 100, 120]
+    coord = torch.tensor([[v, 0.0, 0.0] for v in x])
+    rows = {v: i for i, v in enumerate(x)}
+    mask_logits = torch.full((4, len(x)), -big)
+    mask_logits[0, [rows[v] for v in (0, 1, 2, 3, 20, 21, 22, 40)]] = big
+    mask_logits[1, [rows[60], rows[61]]] = 2.0  # mean mask probability 0.88: scored below query 0
+    mask_logits[2, [rows[80], rows[81], rows[82]]] = 0.0  # probability 0.5: in no mask (> 0.5 is)
+    mask_logits[3, [rows[80], rows[81], rows[82]]] = -2.0
+    class_logits = torch.full((4, NUM_CLASSES + 1), -big)
+    class_logits[0, 0] = class_logits[1, 1] = big
+    class_logits[2] = torch.tensor([3.0, -big, 4.0, 5.0])  # no-object, then stuff class 2, then class 0
+    class_logits[3, NUM_CLASSES] = big
+    thing = torch.ones(len(x), dtype=torch.bool)
+    thing[rows[120]] = False
+    published = instances_from_queries(class_logits, mask_logits, thing=thing)
+    assert published.query.tolist() == [0, 1]
+    found = connected_pieces(published, coord, class_logits, mask_logits, radius=1.5, min_points=3,
+                             stuff_classes=(2,), thing=thing)
+    by_x = dict(zip(x, found.instance.tolist()))
+    assert [by_x[v] for v in x] == [0, 0, 0, 0, -1, 1, 1, 1, 0, 2, 2, 3, 3, 3, -1, -1]
+    assert found.query.tolist() == [0, 0, 1, 2] and found.instance_class.tolist() == [0, 0, 1, 0]
+    fill_score = float(class_logits[2].softmax(0)[0]) * 0.5
+    assert found.instance_score[3] == pytest.approx(fill_score)
+    assert found.instance_score[1] == published.instance_score[0] > found.instance_score[2] > fill_score
+    assert found.point_class.tolist() == [found.instance_class[i] if i >= 0 else -1 for i in found.instance.tolist()]
+    assert found.score[rows[81]] == pytest.approx(fill_score) and found.score[rows[4]] == 0
+    # at min_points 4 the 3-point pieces stay where they are: the published instances, nothing filled
+    kept = connected_pieces(published, coord, class_logits, mask_logits, radius=1.5, min_points=4,
+                            stuff_classes=(2,), thing=thing)
+    assert kept.instance.tolist() == published.instance.tolist() and kept.query.tolist() == [0, 1]
+    # a radius that joins every instance's points into one piece; the free points 80-100 fill, 4 (76 from 80) not
+    joined = connected_pieces(published, coord, class_logits, mask_logits, radius=30.0, min_points=3,
+                              stuff_classes=(2,), thing=thing)
+    assert joined.query.tolist() == [0, 1, 2]
+    assert [joined.instance[rows[v]].item() for v in (4, 80, 100, 120)] == [-1, 2, 2, -1]
 
 
 def test_wrong_inputs_say_what_to_do():

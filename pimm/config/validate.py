@@ -688,6 +688,8 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
         "grid_origin": Rule("a finite number", _is_number),
         "weight_init": _WEIGHT_INIT,
         "anchor_length": number(0, strict=True),
+        "connect_radius": optional(number(0, strict=True), "off: the published post-processing alone"),
+        "connect_min_points": integer(1),
     },
     # Sonata-style self-distillation (pimm.models.sonata): every published constructor argument, and pimm's own
     "Sonata-v1m1": {

@@ -52,6 +52,7 @@ from pimm.models.query_detector import (
     EventInstances,
     EventPrediction,
     QueryDetector,
+    connected_pieces,
     instances_from_queries,
     padded_slots,
 )
@@ -95,7 +96,8 @@ class Detector(nn.Module):
                  nms_sigma: float = 2.0, nms_pre: int = -1, nms_max: int = -1, min_points: int = 2,
                  fill_uncovered: bool = False, momentum_head: bool = False, vertex_head: bool = False,
                  grid_size: float = 1.0, grid_origin: float = 0.0, weight_init: str = "trunc_normal",
-                 anchor_length: float = ANCHOR_LENGTH) -> None:
+                 anchor_length: float = ANCHOR_LENGTH, connect_radius: float | None = None,
+                 connect_min_points: int = 20) -> None:
         super().__init__()
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         check_model_arguments("detector-v1m1", arguments)
@@ -125,6 +127,9 @@ class Detector(nn.Module):
                                 min_points=int(a["min_points"]), nms_sigma=float(a["nms_sigma"]),
                                 stuff_classes=self.stuff_classes, fill_uncovered=bool(a["fill_uncovered"]))
         self.stuff_threshold = float(a["stuff_threshold"])
+        radius = a["connect_radius"]
+        self.connect = None if radius is None else dict(radius=float(radius),
+                                                        min_points=int(a["connect_min_points"]))
         self.grid_size, self.grid_origin = float(a["grid_size"]), float(a["grid_origin"])
 
     def forward(self, coord: torch.Tensor, feat: torch.Tensor, offset: torch.Tensor,
@@ -148,7 +153,7 @@ class Detector(nn.Module):
         point_stuff = stuff_logits.index_select(0, voxel_of_point) if stuff_logits is not None else None
         output = DetectorOutput(decoded, point_stuff)
         if not self.training:
-            output.instances = self.instances(output)
+            output.instances = self.instances(output, coord)
         return output
 
     def _thing_voxels(self, stuff_logits: torch.Tensor, voxel_event: torch.Tensor, num_events: int,
@@ -189,9 +194,11 @@ class Detector(nn.Module):
         return DecoderOutput(layers, point_counts.tolist())
 
     @torch.no_grad()
-    def instances(self, output: DetectorOutput) -> list[EventInstances]:
+    def instances(self, output: DetectorOutput, coord: torch.Tensor, connect: bool = True) -> list[EventInstances]:
         """Each event's post-processed instances; points whose stuff probability is >= stuff_threshold
-        are stuff (in no mask; instance -1, class the first stuff class, score the stuff probability)."""
+        are stuff (in no mask; instance -1, class the first stuff class, score the stuff probability). With
+        connect_radius (and `connect`), then query_detector.connected_pieces on the points' coordinates coord
+        (N, 3)."""
         result, start = [], 0
         for prediction in output.events:
             layer = prediction.final
@@ -206,6 +213,10 @@ class Detector(nn.Module):
                 found.instance[stuff] = -1
                 found.point_class[stuff] = self.stuff_classes[0]
                 found.score[stuff] = stuff_prob[stuff]
+            if connect and self.connect is not None:
+                found = connected_pieces(found, coord[start:start + size], layer.class_logits, layer.mask_logits,
+                                         **self.connect, stuff_classes=self.stuff_classes,
+                                         thing=None if stuff is None else ~stuff)
             start += size
             result.append(found)
         return result

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -501,6 +502,82 @@ def instances_from_queries(
     rows = torch.tensor([i for i, _ in kept], dtype=torch.long, device=mask_logits.device)
     instance_score = torch.stack([s for _, s in kept]) if kept else score[:0]
     return EventInstances(instance, point_class, point_score, query[rows], instance_score, label[rows])
+
+
+@torch.no_grad()
+def connected_pieces(found: EventInstances, coord: torch.Tensor, class_logits: torch.Tensor,
+                     mask_logits: torch.Tensor, radius: float, min_points: int, stuff_classes: tuple[int, ...] = (),
+                     thing: torch.Tensor | None = None) -> EventInstances:
+    """pimm's own post-processing after the published one (the detectors' connect_radius): a particle's points are
+    connected, so an instance is cut where its points are, and thing points no query took are not lost.
+
+    Points are connected when within `radius` of each other (coord (N, 3), the units of the model's input
+    coordinates), through points of the same instance (or of no instance). Every instance keeps its largest piece
+    and its pieces of fewer than min_points; each other piece becomes an instance of its own (its query, class and
+    score). Each piece of at least min_points of the points in no instance that `thing` (N,) bool (the stuff
+    head's; None: every point) calls things becomes an instance: of the query with the largest summed mask
+    probability over it, that query's most probable class that is neither no-object nor stuff, scored by that
+    class's probability times the query's mean mask probability over the piece. Instances are numbered again by
+    decreasing score (ties: the published order, then the pieces)."""
+    # deferred: scipy.spatial and scipy.sparse cost ~0.5 s to import; only this option of evaluation needs them
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+    from scipy.spatial import cKDTree
+
+    device = found.instance.device
+    instance = found.instance.cpu().numpy()
+    group = instance.copy()  # the set a point connects within: its instance, or -2 for a free thing point
+    free = instance < 0
+    if thing is not None:
+        free &= thing.cpu().numpy()
+    group[free] = -2
+    pairs = cKDTree(coord.detach().double().cpu().numpy()).query_pairs(radius, output_type="ndarray")
+    pairs = pairs[(group[pairs[:, 0]] == group[pairs[:, 1]]) & (group[pairs[:, 0]] != -1)]
+    size = len(instance)
+    graph = coo_matrix((np.ones(len(pairs), dtype=np.int8), (pairs[:, 0], pairs[:, 1])), shape=(size, size))
+    _, piece = connected_components(graph, directed=False)
+    piece_size = np.bincount(piece, minlength=size)
+
+    queries, scores, classes = found.query.tolist(), found.instance_score.tolist(), found.instance_class.tolist()
+    source = instance.copy()  # the instance each point is in after this: published ids, then new ones
+    for k in range(len(queries)):
+        members = np.unique(piece[instance == k])
+        members = members[np.argsort(-piece_size[members], kind="stable")]
+        for extra in members[1:][piece_size[members[1:]] >= min_points]:
+            source[piece == extra] = len(queries)
+            queries.append(queries[k])
+            scores.append(scores[k])
+            classes.append(classes[k])
+    free_pieces = np.unique(piece[free])
+    mask_prob = mask_logits.float().sigmoid()
+    class_prob = class_logits.float().softmax(-1)[:, :-1].clone()
+    class_prob[:, list(stuff_classes)] = -1.0
+    for extra in free_pieces[piece_size[free_pieces] >= min_points]:
+        rows = torch.as_tensor(np.flatnonzero(piece == extra), device=mask_prob.device)
+        summed = mask_prob[:, rows].sum(1)
+        query = int(summed.argmax())
+        probability, label = class_prob[query].max(0)
+        source[rows.cpu().numpy()] = len(queries)
+        queries.append(query)
+        scores.append(float(probability) * float(summed[query]) / len(rows))
+        classes.append(int(label))
+
+    if not queries:
+        return found
+    order = sorted(range(len(queries)), key=lambda k: -scores[k])  # stable: published order, then the pieces
+    renumber = np.empty(len(queries), dtype=np.int64)
+    renumber[order] = np.arange(len(order))
+    new_instance = torch.as_tensor(np.where(source >= 0, renumber[np.maximum(source, 0)], -1), device=device)
+    instance_score = torch.tensor([scores[k] for k in order], dtype=torch.float32, device=device)
+    instance_class = torch.tensor([classes[k] for k in order], dtype=torch.long, device=device)
+    taken = new_instance >= 0
+    point_class = found.point_class.clone()
+    point_score = found.score.clone()
+    point_class[taken] = instance_class[new_instance[taken]]
+    point_score[taken] = instance_score[new_instance[taken]]
+    return EventInstances(new_instance, point_class, point_score,
+                          torch.tensor([queries[k] for k in order], dtype=torch.long, device=device),
+                          instance_score, instance_class)
 
 
 def _matrix_nms(masks: torch.Tensor, label: torch.Tensor, score: torch.Tensor, sigma: float) -> torch.Tensor:
