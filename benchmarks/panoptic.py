@@ -21,7 +21,9 @@ more.
 
 Rows of the table, every one scored by PanopticAccumulator on the held-out events with the task's truth
 (particles as instances, their majority class, stuff left out):
-- the detector (its post-processed instances, the config's thresholds);
+- the detector (its post-processed instances, the config's thresholds) with the published post-processing;
+- with the config's connect_radius (pimm's own, configs/bench/panoptic_detector.py sets it), the same detector's
+  outputs with its connected pieces after the published post-processing (pimm.models.query_detector);
 - DBSCAN (scikit-learn) on the voxels of each non-stuff class the semantic model predicts, each cluster one
   instance of that class;
 - DBSCAN on the true classes.

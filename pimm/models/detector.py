@@ -30,7 +30,9 @@ refused at any value but the published recipes' (off); dropout and drop_path in 
 "fan_in" as torch builds them (pimm.models.weight_init); the backbone has its own `weight_init`.
 `query_type="anchored"` and `anchor_length` are pimm's own (published: "learned" only): queries anchored at
 farthest-point-sampled voxels, each mask logit lowered with the squared distance to the query's anchor
-(pimm.models.query_detector).
+(pimm.models.query_detector). `connect_radius` and `connect_min_points` are pimm's own too (published: nothing after
+the post-processing): query_detector.connected_pieces, an instance cut where its points are apart and the thing
+points no instance took made instances, after the published post-processing; connect_radius=None (the default) is off.
 """
 
 from __future__ import annotations
