@@ -60,6 +60,8 @@ def test_the_loss_weights_a_config_may_set_are_the_loss_fields():
     (["model.full_in_channels=32"], "model.full_in_channels=32 but the backbone gives 48 channels"),
     (['task.loss={focl: 2.0}'], "task.loss.focl is not a Panoptic loss weight: did you mean 'focal'?"),
     (["task.loss={dice: -1}"], "task.loss.dice=-1 is not allowed"),
+    (["model.connect_radius=0"], "model.connect_radius=0 is not allowed"),
+    (["model.connect_min_points=0"], "model.connect_min_points=0 is not allowed"),
 ])
 def test_a_panoptic_config_the_run_cannot_train_is_refused_with_what_to_do(shards, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
