@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pimm.errors import ConfigError
+from pimm.models import query_detector
 from pimm.models.query_detector import (
     ANCHOR_SCALE_START,
     DecoderOutput,
@@ -288,12 +290,14 @@ def test_post_processing_hand_made_event():
     assert limited.instance.tolist() == [0, 0, 0, 0, -1, -1, -1, -1] and limited.query.tolist() == [0]
 
 
-def test_connected_pieces_cut_instances_where_their_points_are_apart_and_keep_thing_points_nobody_took():
+def test_connected_pieces_cut_instances_where_their_points_are_apart_and_keep_thing_points_nobody_took(
+        monkeypatch):
     """Points on a line, connected within 1.5: query 0's mask has a 4-point piece, a 3-point piece 17 away (an
     instance of its own at min_points 3) and a lone point (it stays); the free thing points 80-82 become an instance
     of query 2 (no candidate: no-object is its most probable class), class 0 (class 2 is stuff), its score that
     class's probability times its mean mask probability (0.5); the free points 4 (beside query 0's piece, not of it)
-    and 100 (alone) and the stuff point 120 stay in no instance. Numbered again by decreasing score."""
+    and 100 (alone) and the stuff point 120 stay in no instance. Numbered again by decreasing score. A radius that
+    would list more pairs than MAX_CONNECT_PAIRS is refused."""
     big = 12.0
     x = [0, 1, 2, 3, 4, 20, 21, 22, 40, 60, 61, 80, 81, 82, 100, 120]
     coord = torch.tensor([[v, 0.0, 0.0] for v in x])
@@ -330,6 +334,11 @@ def test_connected_pieces_cut_instances_where_their_points_are_apart_and_keep_th
                               stuff_classes=(2,), thing=thing)
     assert joined.query.tolist() == [0, 1, 2]
     assert [joined.instance[rows[v]].item() for v in (4, 80, 100, 120)] == [-1, 2, 2, -1]
+    # a radius that would list more pairs than memory allows is refused, counted before any is listed
+    monkeypatch.setattr(query_detector, "MAX_CONNECT_PAIRS", 100)
+    with pytest.raises(ConfigError, match=r"model.connect_radius=1e\+06 puts 120 pairs of points within reach in an "
+                                          r"event of 16 points, more than 100 \(memory\): lower connect_radius"):
+        connected_pieces(published, coord, class_logits, mask_logits, radius=1e6, min_points=3, thing=thing)
 
 
 def test_wrong_inputs_say_what_to_do():

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pimm.errors import ConfigError
 from pimm.models.weight_init import initialise
 from pimm.names import QUERY_TYPES
 
@@ -50,6 +51,9 @@ PADDING_BIAS = -1e4
 # query_type="anchored": every query's anchor scale starts at softplus(bias) = 0.1, so that a point anchor_length
 # from the anchor starts 0.1 lower in mask logit, one 4 lengths away 1.6 lower
 ANCHOR_SCALE_START = 0.1
+# connect_radius: an event's pairs of points within the radius are listed (16 bytes each) up to this many; more is
+# refused (a radius far above the points' spacing: 37,000 generated voxels at 12 have 4.9 million pairs)
+MAX_CONNECT_PAIRS = 20_000_000
 # query_type="anchored": the default length unit of the distance term, 8 voxels of pimm's x, y, z features (2 / 256 a
 # voxel); the detectors' default too
 ANCHOR_LENGTH = 0.0625
@@ -518,7 +522,8 @@ def connected_pieces(found: EventInstances, coord: torch.Tensor, class_logits: t
     head's; None: every point) calls things becomes an instance: of the query with the largest summed mask
     probability over it, that query's most probable class that is neither no-object nor stuff, scored by that
     class's probability times the query's mean mask probability over the piece. Instances are numbered again by
-    decreasing score (ties: the published order, then the pieces)."""
+    decreasing score (ties: the published order, then the pieces). ConfigError when the radius puts more than
+    MAX_CONNECT_PAIRS pairs of the event's points within reach (counted before any is listed)."""
     # deferred: scipy.spatial and scipy.sparse cost ~0.5 s to import; only this option of evaluation needs them
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
@@ -531,9 +536,16 @@ def connected_pieces(found: EventInstances, coord: torch.Tensor, class_logits: t
     if thing is not None:
         free &= thing.cpu().numpy()
     group[free] = -2
-    pairs = cKDTree(coord.detach().double().cpu().numpy()).query_pairs(radius, output_type="ndarray")
-    pairs = pairs[(group[pairs[:, 0]] == group[pairs[:, 1]]) & (group[pairs[:, 0]] != -1)]
     size = len(instance)
+    tree = cKDTree(coord.detach().double().cpu().numpy())
+    within = (tree.count_neighbors(tree, radius) - size) // 2  # counted without listing them: cheap
+    if within > MAX_CONNECT_PAIRS:
+        raise ConfigError(f"model.connect_radius={radius:g} puts {within:,} pairs of points within reach in an event "
+                          f"of {size:,} points, more than {MAX_CONNECT_PAIRS:,} (memory): lower connect_radius (in "
+                          "the units of the points' coordinates: voxels for PILArNet-M, where 12 works) or set it to "
+                          "None")
+    pairs = tree.query_pairs(radius, output_type="ndarray")
+    pairs = pairs[(group[pairs[:, 0]] == group[pairs[:, 1]]) & (group[pairs[:, 0]] != -1)]
     graph = coo_matrix((np.ones(len(pairs), dtype=np.int8), (pairs[:, 0], pairs[:, 1])), shape=(size, size))
     _, piece = connected_components(graph, directed=False)
     piece_size = np.bincount(piece, minlength=size)
