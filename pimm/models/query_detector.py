@@ -561,10 +561,12 @@ def connected_pieces(found: EventInstances, coord: torch.Tensor, class_logits: t
             scores.append(scores[k])
             classes.append(classes[k])
     free_pieces = np.unique(piece[free])
-    mask_prob = mask_logits.float().sigmoid()
-    class_prob = class_logits.float().softmax(-1)[:, :-1].clone()
-    class_prob[:, list(stuff_classes)] = -1.0
-    for extra in free_pieces[piece_size[free_pieces] >= min_points]:
+    free_pieces = free_pieces[piece_size[free_pieces] >= min_points]
+    if len(free_pieces):  # the queries' probabilities only where a piece of untaken points needs them
+        mask_prob = mask_logits.float().sigmoid()
+        class_prob = class_logits.float().softmax(-1)[:, :-1].clone()
+        class_prob[:, list(stuff_classes)] = -1.0
+    for extra in free_pieces:
         rows = torch.as_tensor(np.flatnonzero(piece == extra), device=mask_prob.device)
         summed = mask_prob[:, rows].sum(1)
         query = int(summed.argmax())
