@@ -27,11 +27,13 @@ Rows of the table, every one scored by PanopticAccumulator on the held-out event
 - DBSCAN (scikit-learn) on the voxels of each non-stuff class the semantic model predicts, each cluster one
   instance of that class;
 - DBSCAN on the true classes.
-Each DBSCAN row uses the radius of --eps that gives it the best ARI (all labelled) on --select-events training
-events, never the held-out ones. Also printed: the instances per held-out event of each row and the true particles
-per event (purity and efficiency are means over instances: many small instances raise purity; printed below the
-table also weighted by points, purity_pooled and efficiency_pooled), and the share of
-the held-out particles that some query's mask (sigmoid > the config's mask_threshold, over the labelled points)
+Below the table, each detector row's per-event differences from DBSCAN on predicted semantics on the same events,
+mean ± standard error (pimm.panoptic_metrics.paired_differences): whether a difference is more than the held-out
+events' spread. Each DBSCAN row uses the radius of --eps that gives it the best ARI (all labelled) on --select-events
+training events, never the held-out ones. Also printed: the instances per held-out event of each row and the true
+particles per event (purity and efficiency are means over instances: many small instances raise purity; printed
+below the table also weighted by points, purity_pooled and efficiency_pooled), and the share of the held-out
+particles that some query's mask (sigmoid > the config's mask_threshold, over the labelled points)
 covers at IoU >= the task's threshold, what the best post-processing could keep; the mean training step of the
 detector against the semantic model's (same backbone, same batches) and the share of the detector's step spent in
 the Hungarian assignment (pimm.tasks.panoptic_loss.assign_queries, scipy's linear_sum_assignment, timed by wrapping it).
@@ -68,7 +70,7 @@ from pimm.data.synth import write_pilarnet
 from pimm.engine.optim import build_optimizer
 from pimm.errors import PimmError
 from pimm.models import build_model
-from pimm.panoptic_metrics import PanopticAccumulator
+from pimm.panoptic_metrics import PanopticAccumulator, paired_differences
 from pimm.tasks import Panoptic, SemanticSegmentation, Task, build_task, panoptic_loss
 from pimm.tasks.panoptic import event_arrays
 
@@ -349,8 +351,9 @@ def mask_recall(mask_logits: torch.Tensor, true_instance: np.ndarray, mask_thres
 def evaluate(detector: Trainee, semantic: Trainee, events: PILArNetDataset, eps: dict[str, float],
              min_samples: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """The table's rows on the held-out events, and what each found: instances per event (the detector's after
-    post-processing; "particles": the true ones), and the share of true particles some query's mask covers at
-    IoU >= the task's threshold."""
+    post-processing; "particles": the true ones), the share of true particles some query's mask covers at
+    IoU >= the task's threshold, and each detector row's per-event differences from DBSCAN on predicted semantics
+    (panoptic_metrics.paired_differences)."""
     task = detector.task
     detector.model.eval()
     connected = detector.model.connect is not None
@@ -376,7 +379,9 @@ def evaluate(detector: Trainee, semantic: Trainee, events: PILArNetDataset, eps:
         instances["true"] += score_dbscan(rows["true"], event, event.true_class, task.stuff_classes, eps["true"],
                                           min_samples)
     found = {"instances_per_event": {name: count / len(events) for name, count in instances.items()},
-             "mask_recall": covered / max(instances["particles"], 1)}
+             "mask_recall": covered / max(instances["particles"], 1),
+             "differences": {name: paired_differences(rows[name], rows["predicted"])
+                             for name in ("detector", "connected") if name in rows}}
     return {name: meter.result() for name, meter in rows.items()}, found
 
 
@@ -446,6 +451,12 @@ def fmt(value: float) -> str:
     return f"{value:.3f}" if np.isfinite(value) else "n/a"
 
 
+def fmt_difference(difference: dict[str, float], name: str) -> str:
+    """A mean per-event difference and its standard error, e.g. +0.091 ± 0.020."""
+    mean, sem = difference[name], difference[f"{name}_sem"]
+    return f"{mean:+.3f} ± {sem:.3f}" if np.isfinite(mean) and np.isfinite(sem) else fmt(mean)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
@@ -506,6 +517,12 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|" + "---:|" * len(COLUMNS))
     for name, result in rows.items():
         print(f"| {labels[name]} | " + " | ".join(fmt(result[c]) for c in COLUMNS) + " |")
+    print(f"\nper-event differences from {labels['predicted']} on the same held-out events, mean ± standard error "
+          "(several standard errors: more than the events' spread)\n")
+    print("| difference | " + " | ".join(HEADERS) + " |")
+    print("|---|" + "---:|" * len(COLUMNS))
+    for name, difference in found["differences"].items():
+        print(f"| {labels[name]} minus DBSCAN | " + " | ".join(fmt_difference(difference, c) for c in COLUMNS) + " |")
     print("\npurity / efficiency weighted by points (purity_pooled, efficiency_pooled): "
           + "; ".join(f"{labels[name]} {fmt(result['purity_pooled'])} / {fmt(result['efficiency_pooled'])}"
                       for name, result in rows.items()))
@@ -516,7 +533,9 @@ def main(argv: list[str] | None = None) -> None:
             "dbscan_radius_selection": sweep, "eps": eps, "rows": {labels[k]: v for k, v in rows.items()},
             "instances_per_event": {"true particles" if k == "particles" else labels[k]: v
                                     for k, v in found["instances_per_event"].items()},
-            "detector_mask_recall": found["mask_recall"], "timing": timing}, default=float) + "\n")
+            "detector_mask_recall": found["mask_recall"],
+            "differences_from_dbscan_predicted": {labels[k]: v for k, v in found["differences"].items()},
+            "timing": timing}, default=float) + "\n")
 
 
 if __name__ == "__main__":

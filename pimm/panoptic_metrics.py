@@ -43,7 +43,13 @@ true and a predicted instance):
 
 Every per-event value is NaN where it is undefined (no points in its set, no instance to average
 over, no match for matched_iou, no segment for PQ); `PanopticAccumulator.result` averages each one
-over the events where it is defined and reports that count as `<name>_events`. For standalone calls,
+over the events where it is defined and reports that count as `<name>_events` and the standard error of that
+mean as `<name>_sem` (the sample standard deviation over those events, n - 1, divided by sqrt(n); NaN under two
+events): the spread a different set of events of the same kind would move the mean by. `paired_differences`
+compares two accumulators that scored the same events (two methods): per metric the mean of the per-event
+differences and its standard error, which is smaller than either mean's when the events that are hard for one
+method are hard for the other (a difference of several standard errors is more than the events' spread). For
+standalone calls,
 `adjusted_rand_index` and `adjusted_mutual_information` follow sklearn on degenerate inputs: 1.0 for
 no points, one point, or identical partitions (one cluster each, all singletons), 0.0 for AMI when
 exactly one side is a single cluster.
@@ -286,6 +292,11 @@ def _instance_means(code: np.ndarray, count: int, values: np.ndarray) -> np.ndar
 
 def _mean_or_nan(values: np.ndarray) -> float:
     return float(values.mean()) if len(values) else _NAN
+
+
+def _standard_error(values: np.ndarray) -> float:
+    """Standard error of the mean of `values`: the sample standard deviation (n - 1) over sqrt(n); NaN under two."""
+    return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else _NAN
 
 
 def _best_per(index: np.ndarray, score: np.ndarray, count: int) -> np.ndarray:
@@ -573,6 +584,7 @@ class PanopticAccumulator:
             defined = column[~np.isnan(column)]
             out[name] = _mean_or_nan(defined)
             out[f"{name}_events"] = float(len(defined))
+            out[f"{name}_sem"] = _standard_error(defined)
 
         n_true, n_pred, matched, iou_sum = map(float, state["detection_counts"].sum(axis=0))
         out["detection_precision_pooled"] = matched / n_pred if n_pred else _NAN
@@ -614,3 +626,22 @@ class PanopticAccumulator:
         out["vertex_residual_q68"] = float(np.quantile(vertex, 0.68)) if len(vertex) else _NAN
         out["vertex_pairs"] = float(len(vertex))
         return out
+
+
+def paired_differences(first: PanopticAccumulator, second: PanopticAccumulator) -> dict[str, float]:
+    """Every per-event metric of `first` minus the same event's of `second`, over the events both counted and
+    both define it: `<name>` the mean difference, `<name>_sem` its standard error, `<name>_events` how many events
+    (module docstring). ValueError when the two share no event."""
+    a, b = first.state(), second.state()
+    common, rows_a, rows_b = np.intersect1d(a["event_id"], b["event_id"], return_indices=True)
+    if not len(common):
+        raise ValueError(f"the two accumulators share no event ({len(a['event_id'])} and {len(b['event_id'])} "
+                         "events): paired differences need the same events scored by both")
+    difference = a["event_values"][rows_a] - b["event_values"][rows_b]
+    out: dict[str, float] = {"events": float(len(common))}
+    for name, column in zip(EVENT_METRICS, difference.T):
+        defined = column[~np.isnan(column)]
+        out[name] = _mean_or_nan(defined)
+        out[f"{name}_events"] = float(len(defined))
+        out[f"{name}_sem"] = _standard_error(defined)
+    return out

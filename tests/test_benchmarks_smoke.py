@@ -197,6 +197,8 @@ def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "3 training steps per model" in res.stdout
     table = [line for line in res.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    split = next(i for i, line in enumerate(table) if line.startswith("| difference |"))
+    table, difference_table = table[:split], table[split:]
     rows = [line.split("|")[1].strip() for line in table]
     assert rows[:3] == ["method", "detector (detector-v1m1), published post-processing",
                         "detector, + connected pieces (radius 12, >= 20 points)"]
@@ -207,6 +209,18 @@ def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     assert set(result["dbscan_radius_selection"]["true"]) == {"2.0", "6.0"}
     assert list(result["rows"]) == rows[1:]
     assert all(0.0 <= row["purity"] <= 1.0 or math.isnan(row["purity"]) for row in result["rows"].values())
+    # each detector row minus DBSCAN on predicted semantics, per event on the same events: ARI (all labelled) is
+    # defined for every event on both sides, so its mean difference is the difference of the rows' means
+    differences = result["differences_from_dbscan_predicted"]
+    assert list(differences) == rows[1:3]
+    assert [line.split("|")[1].strip() for line in difference_table] == ["difference",
+                                                                         *(f"{row} minus DBSCAN" for row in rows[1:3])]
+    for row in rows[1:3]:
+        ari = differences[row]["ari_all_labelled"]
+        assert differences[row]["ari_all_labelled_events"] == 3.0
+        dbscan = result["rows"][rows[3]]["ari_all_labelled"]
+        assert ari == pytest.approx(result["rows"][row]["ari_all_labelled"] - dbscan)
+        assert f"| {row} minus DBSCAN | {ari:+.3f} ± {differences[row]['ari_all_labelled_sem']:.3f} |" in res.stdout
     timing, training = result["timing"], result["training"]
     assert timing["pairs"] >= 1 and timing["detector_step_s"] > 0 and timing["semantic_step_s"] > 0
     assert 0.0 < timing["matching_share"] < 1.0

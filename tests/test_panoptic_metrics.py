@@ -20,6 +20,7 @@ from pimm.panoptic_metrics import (
     evaluate_event,
     instance_overlap,
     match_instances,
+    paired_differences,
 )
 
 # The hand-worked event (11 points). True instances T0 = points 0-3 (class 0), T1 = 4-5 and T2 = 6
@@ -233,6 +234,42 @@ def test_undefined_values_are_nan_and_left_out_of_means():
     assert r["detection_precision_pooled"] == 1.0 and r["detection_recall_pooled"] == pytest.approx(2 / 6)
     assert r["detection_f1_pooled"] == pytest.approx(2 * 2 / (6 + 2))
     assert r["matched_iou_pooled"] == pytest.approx((3 / 5 + 2 / 3) / 2)
+
+
+def test_each_mean_over_events_has_its_standard_error_and_two_methods_compare_event_by_event():
+    """The standard error of an ARI mean over 4 events, worked from scikit-learn's per-event ARIs; two methods on
+    the same events: the mean per-event difference, its standard error (smaller than either mean's when the events
+    move both alike), only over the events both scored; none in common is refused."""
+    rng = np.random.default_rng(11)
+    first, second = PanopticAccumulator(5, stuff_classes=(4,)), PanopticAccumulator(5, stuff_classes=(4,))
+    ari_first, ari_second = [], []
+    for event_id in range(5):
+        (true_instance, pred_instance, true_class, pred_class), _ = random_event(rng, n=200, with_extras=False)
+        worse = np.where(rng.random(200) < 0.2, 7, pred_instance)  # the second method: 20 % of points to one instance
+        labelled = true_instance >= 0
+        if event_id < 4:  # event 4 only the second method scores
+            first.update(event_id, true_instance, pred_instance, true_class, pred_class)
+            ari_first.append(adjusted_rand_score(true_instance[labelled], pred_instance[labelled]))
+        second.update(event_id, true_instance, worse, true_class, pred_class)
+        ari_second.append(adjusted_rand_score(true_instance[labelled], worse[labelled]))
+    ari_first, ari_second = np.array(ari_first), np.array(ari_second)
+    r = first.result()
+    assert r["ari_all_labelled"] == pytest.approx(ari_first.mean())
+    assert r["ari_all_labelled_sem"] == pytest.approx(ari_first.std(ddof=1) / 2)  # sqrt(4 events)
+    difference = ari_first - ari_second[:4]
+    d = paired_differences(first, second)
+    assert d["events"] == 4.0 and d["ari_all_labelled_events"] == 4.0
+    assert d["ari_all_labelled"] == pytest.approx(difference.mean())
+    assert d["ari_all_labelled_sem"] == pytest.approx(difference.std(ddof=1) / 2)
+    assert d["ari_all_labelled_sem"] < r["ari_all_labelled_sem"]  # the events' spread cancels in the difference
+    assert paired_differences(second, first)["ari_all_labelled"] == pytest.approx(-difference.mean())
+    one = PanopticAccumulator(5, stuff_classes=(4,))
+    one.update(0, *random_event(rng, n=50, with_extras=False)[0])
+    assert math.isnan(one.result()["ari_all_labelled_sem"])  # one event: no spread to estimate
+    other = PanopticAccumulator(5, stuff_classes=(4,))
+    other.update(9, *random_event(rng, n=50, with_extras=False)[0])
+    with pytest.raises(ValueError, match="share no event"):
+        paired_differences(one, other)
 
 
 # ---------------------------------------------------------------- aggregation over ranks

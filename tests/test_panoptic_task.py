@@ -230,9 +230,15 @@ def test_pimm_predict_writes_instances_of_an_unlabelled_file_and_pimm_show_draws
     assert res.returncode == 2 and "--save-scores" in res.stderr and "leave --save-scores out" in res.stderr
 
 
-def test_the_summary_line_prints_an_undefined_metric_as_n_a():
+def test_the_summary_line_prints_an_undefined_metric_as_n_a_and_a_standard_error_where_there_is_one():
     """Purity with no predicted instance is NaN by definition: the validation line says n/a, as pimm test does."""
     line = Panoptic(num_classes=6).summary({"loss": 1.5, "ari_all_labelled": 0.25, "purity": float("nan"),
                                             "efficiency": 0.0, "events": 4})
     assert line == ("loss 1.5000 ari_all_labelled 0.2500 pq n/a purity n/a efficiency 0.0000 detection_f1 n/a "
                     "(4 events)")
+    # with the standard errors of the means over events (PanopticAccumulator.result), where there is one
+    line = Panoptic(num_classes=6).summary({"loss": 1.5, "ari_all_labelled": 0.25, "ari_all_labelled_sem": 0.0125,
+                                            "purity": 0.5, "purity_sem": float("nan"), "efficiency": 0.0,
+                                            "events": 4})
+    assert line == ("loss 1.5000 ari_all_labelled 0.2500 ± 0.0125 pq n/a purity 0.5000 efficiency 0.0000 "
+                    "detection_f1 n/a (4 events)")
