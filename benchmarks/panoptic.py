@@ -24,6 +24,8 @@ Rows of the table, every one scored by PanopticAccumulator on the held-out event
 - the detector (its post-processed instances, the config's thresholds) with the published post-processing;
 - with the config's connect_radius (pimm's own, configs/bench/panoptic_detector.py sets it), the same detector's
   outputs with its connected pieces after the published post-processing (pimm.models.query_detector);
+- with the config's connect_collinear too (pimm's own, set there), the same pieces with the touching collinear ones
+  of one class joined (the detector as the config builds it);
 - DBSCAN (scikit-learn) on the voxels of each non-stuff class the semantic model predicts, each cluster one
   instance of that class;
 - DBSCAN on the true classes.
@@ -356,17 +358,23 @@ def evaluate(detector: Trainee, semantic: Trainee, events: PILArNetDataset, eps:
     (panoptic_metrics.paired_differences)."""
     task = detector.task
     detector.model.eval()
-    connected = detector.model.connect is not None
-    rows = {"detector": new_meter(task), **({"connected": new_meter(task)} if connected else {}),
+    connect = detector.model.connect
+    # the config's connected pieces; with connect_collinear also without joining, to show what joining adds
+    variants = {}
+    if connect is not None:
+        variants = ({"connected": connect} if connect["collinear"] is None
+                    else {"connected": dict(connect, collinear=None), "joined": connect})
+    rows = {"detector": new_meter(task), **{name: new_meter(task) for name in variants},
             "predicted": new_meter(task), "true": new_meter(task)}
     instances = dict.fromkeys(("particles", *rows), 0)
     covered = 0
     for event in semantic_predictions(task, semantic, events, len(events)):
         batch = event.batch
         output = detector.model(batch["coord"], batch["feat"], batch["offset"], event_id=batch["event_id"])
-        outputs = {"connected": output} if connected else {}
-        outputs["detector"] = dataclasses.replace(output, instances=detector.model.instances(
-            output, batch["coord"], connect=False))
+        # the model's own instances (its forward post-processed them as the config says), and the other rows'
+        outputs = {name: output if pieces is connect else dataclasses.replace(
+            output, instances=detector.model.instances(output, batch["coord"], connect=pieces))
+            for name, pieces in {"detector": False, **variants}.items()}
         for name, scored in outputs.items():
             (event_id, found), = event_arrays(task, batch, scored)  # as pimm test scores the detector
             rows[name].update(event_id, **found)
@@ -381,7 +389,7 @@ def evaluate(detector: Trainee, semantic: Trainee, events: PILArNetDataset, eps:
     found = {"instances_per_event": {name: count / len(events) for name, count in instances.items()},
              "mask_recall": covered / max(instances["particles"], 1),
              "differences": {name: paired_differences(rows[name], rows["predicted"])
-                             for name in ("detector", "connected") if name in rows}}
+                             for name in ("detector", "connected", "joined") if name in rows}}
     return {name: meter.result() for name, meter in rows.items()}, found
 
 
@@ -496,6 +504,9 @@ def main(argv: list[str] | None = None) -> None:
     labels = {"detector": f"detector ({detector.cfg['model']['type']}), published post-processing",
               **({"connected": f"detector, + connected pieces (radius {connect['radius']:g}, "
                                f">= {connect['min_points']} points)"} if connect else {}),
+              **({"joined": f"detector, + connected pieces, collinear ones joined "
+                            f"(cosine above {connect['collinear']:g})"}
+                 if connect and connect["collinear"] is not None else {}),
               "predicted": f"DBSCAN eps {eps['predicted']:g}, predicted semantics",
               "true": f"DBSCAN eps {eps['true']:g}, true semantics"}
 

@@ -185,9 +185,9 @@ def test_rank_start_benchmark_times_a_launch_of_each_start():
 
 def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     """benchmarks/panoptic.py on a few small generated events, 3 training steps per model (--steps: the same
-    training on any machine, said in the output): the detector's rows (the published post-processing, and the
-    config's connected pieces) and both DBSCAN rows, the step-time ratio and the matching share (no score
-    asserted)."""
+    training on any machine, said in the output): the detector's rows (the published post-processing, the
+    config's connected pieces, without and with its collinear ones joined) and both DBSCAN rows, each detector
+    row's per-event differences from DBSCAN, the step-time ratio and the matching share (no score asserted)."""
     out = tmp_path / "p.json"
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "panoptic.py"), "--steps", "3", "--events", "8",
                           "--test-events", "3", "--select-events", "3", "--points-per-event", "300", "--eps", "2,6",
@@ -200,10 +200,11 @@ def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     split = next(i for i, line in enumerate(table) if line.startswith("| difference |"))
     table, difference_table = table[:split], table[split:]
     rows = [line.split("|")[1].strip() for line in table]
-    assert rows[:3] == ["method", "detector (detector-v1m1), published post-processing",
-                        "detector, + connected pieces (radius 12, >= 20 points)"]
-    assert rows[3].startswith("DBSCAN eps ") and rows[3].endswith(", predicted semantics")
-    assert rows[4].startswith("DBSCAN eps ") and rows[4].endswith(", true semantics")
+    assert rows[:4] == ["method", "detector (detector-v1m1), published post-processing",
+                        "detector, + connected pieces (radius 12, >= 20 points)",
+                        "detector, + connected pieces, collinear ones joined (cosine above 0.9)"]
+    assert rows[4].startswith("DBSCAN eps ") and rows[4].endswith(", predicted semantics")
+    assert rows[5].startswith("DBSCAN eps ") and rows[5].endswith(", true semantics")
     result = json.loads(out.read_text())
     assert set(result["eps"].values()) <= {2.0, 6.0}
     assert set(result["dbscan_radius_selection"]["true"]) == {"2.0", "6.0"}
@@ -212,13 +213,13 @@ def test_panoptic_benchmark_trains_both_models_and_prints_one_table(tmp_path):
     # each detector row minus DBSCAN on predicted semantics, per event on the same events: ARI (all labelled) is
     # defined for every event on both sides, so its mean difference is the difference of the rows' means
     differences = result["differences_from_dbscan_predicted"]
-    assert list(differences) == rows[1:3]
+    assert list(differences) == rows[1:4]
     assert [line.split("|")[1].strip() for line in difference_table] == ["difference",
-                                                                         *(f"{row} minus DBSCAN" for row in rows[1:3])]
-    for row in rows[1:3]:
+                                                                         *(f"{row} minus DBSCAN" for row in rows[1:4])]
+    for row in rows[1:4]:
         ari = differences[row]["ari_all_labelled"]
         assert differences[row]["ari_all_labelled_events"] == 3.0
-        dbscan = result["rows"][rows[3]]["ari_all_labelled"]
+        dbscan = result["rows"][rows[4]]["ari_all_labelled"]
         assert ari == pytest.approx(result["rows"][row]["ari_all_labelled"] - dbscan)
         assert f"| {row} minus DBSCAN | {ari:+.3f} ± {differences[row]['ari_all_labelled_sem']:.3f} |" in res.stdout
     timing, training = result["timing"], result["training"]

@@ -32,6 +32,10 @@ model = dict(
     # by the same rule; the benchmark prints the published post-processing's row beside it
     connect_radius=12.0,
     connect_min_points=20,
+    # pimm's own too: then touching instances of one class that lie on one line (their principal axes and the line
+    # through their centres within 26 degrees, |cos| > 0.9) are joined: a track split between queries is one
+    # particle again (docs/panoptic.md, "Connected pieces"); the benchmark prints the rows without and with it
+    connect_collinear=0.9,
     # at these widths (16 to 112 channels) the published trunc_normal(std=0.02) starts every layer far below the
     # scale of its input; "fan_in" starts them as torch does, for the decoder and (in both models) the encoder
     # (docs/panoptic.md, "Training from scratch at a small width")

@@ -690,6 +690,9 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
         "anchor_length": number(0, strict=True),
         "connect_radius": optional(number(0, strict=True), "off: the published post-processing alone"),
         "connect_min_points": integer(1),
+        "connect_collinear": optional(Rule("a number in (0, 1] (the smallest |cosine| between two touching instances' "
+                                           "axes and the line through their centres that joins them)",
+                                           lambda v: _is_number(v) and 0 < v <= 1), "off: no instances joined"),
     },
     # Sonata-style self-distillation (pimm.models.sonata): every published constructor argument, and pimm's own
     "Sonata-v1m1": {
@@ -875,6 +878,10 @@ def _check_detector(model: dict) -> None:
     if (model.get("hidden_channels", 256) or 1) % (model.get("num_heads", 16) or 1):
         raise ConfigError(f"model.hidden_channels={model.get('hidden_channels', 256)} is not a multiple of "
                           f"model.num_heads={model.get('num_heads', 16)}; choose num_heads that divides it")
+    if model.get("connect_collinear") is not None and model.get("connect_radius") is None:
+        raise ConfigError(f"model.connect_collinear={model['connect_collinear']!r} joins the instances that "
+                          "connect_radius connects, but model.connect_radius is None (off): set model.connect_radius "
+                          "(e.g. 12 for PILArNet-M voxels) or leave connect_collinear out")
 
 
 def check_model_arguments(type_name: str, arguments: dict) -> None:

@@ -33,6 +33,7 @@ farthest-point-sampled voxels, each mask logit lowered with the squared distance
 (pimm.models.query_detector). `connect_radius` and `connect_min_points` are pimm's own too (published: nothing after
 the post-processing): query_detector.connected_pieces, an instance cut where its points are apart and the thing
 points no instance took made instances, after the published post-processing; connect_radius=None (the default) is off.
+`connect_collinear` (pimm's, needs connect_radius) then joins touching instances of one class that lie on one line.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class Detector(nn.Module):
                  fill_uncovered: bool = False, momentum_head: bool = False, vertex_head: bool = False,
                  grid_size: float = 1.0, grid_origin: float = 0.0, weight_init: str = "trunc_normal",
                  anchor_length: float = ANCHOR_LENGTH, connect_radius: float | None = None,
-                 connect_min_points: int = 20) -> None:
+                 connect_min_points: int = 20, connect_collinear: float | None = None) -> None:
         super().__init__()
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         check_model_arguments("detector-v1m1", arguments)
@@ -130,8 +131,9 @@ class Detector(nn.Module):
                                 stuff_classes=self.stuff_classes, fill_uncovered=bool(a["fill_uncovered"]))
         self.stuff_threshold = float(a["stuff_threshold"])
         radius = a["connect_radius"]
-        self.connect = None if radius is None else dict(radius=float(radius),
-                                                        min_points=int(a["connect_min_points"]))
+        collinear = a["connect_collinear"]
+        self.connect = None if radius is None else dict(radius=float(radius), min_points=int(a["connect_min_points"]),
+                                                        collinear=None if collinear is None else float(collinear))
         self.grid_size, self.grid_origin = float(a["grid_size"]), float(a["grid_origin"])
 
     def forward(self, coord: torch.Tensor, feat: torch.Tensor, offset: torch.Tensor,
@@ -196,11 +198,13 @@ class Detector(nn.Module):
         return DecoderOutput(layers, point_counts.tolist())
 
     @torch.no_grad()
-    def instances(self, output: DetectorOutput, coord: torch.Tensor, connect: bool = True) -> list[EventInstances]:
+    def instances(self, output: DetectorOutput, coord: torch.Tensor,
+                  connect: bool | dict = True) -> list[EventInstances]:
         """Each event's post-processed instances; points whose stuff probability is >= stuff_threshold
-        are stuff (in no mask; instance -1, class the first stuff class, score the stuff probability). With
-        connect_radius (and `connect`), then query_detector.connected_pieces on the points' coordinates coord
-        (N, 3)."""
+        are stuff (in no mask; instance -1, class the first stuff class, score the stuff probability). Then
+        query_detector.connected_pieces on the points' coordinates coord (N, 3): with `connect` True, as the
+        model's connect_* options say (nothing with connect_radius None); False: not at all (the published
+        post-processing alone); a dict: with those arguments (radius, min_points, collinear)."""
         result, start = [], 0
         for prediction in output.events:
             layer = prediction.final
@@ -215,9 +219,10 @@ class Detector(nn.Module):
                 found.instance[stuff] = -1
                 found.point_class[stuff] = self.stuff_classes[0]
                 found.score[stuff] = stuff_prob[stuff]
-            if connect and self.connect is not None:
+            pieces = self.connect if connect is True else connect or None
+            if pieces is not None:
                 found = connected_pieces(found, coord[start:start + size], layer.class_logits, layer.mask_logits,
-                                         **self.connect, stuff_classes=self.stuff_classes,
+                                         **pieces, stuff_classes=self.stuff_classes,
                                          thing=None if stuff is None else ~stuff)
             start += size
             result.append(found)

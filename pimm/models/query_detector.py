@@ -511,7 +511,7 @@ def instances_from_queries(
 @torch.no_grad()
 def connected_pieces(found: EventInstances, coord: torch.Tensor, class_logits: torch.Tensor,
                      mask_logits: torch.Tensor, radius: float, min_points: int, stuff_classes: tuple[int, ...] = (),
-                     thing: torch.Tensor | None = None) -> EventInstances:
+                     thing: torch.Tensor | None = None, collinear: float | None = None) -> EventInstances:
     """pimm's own post-processing after the published one (the detectors' connect_radius): a particle's points are
     connected, so an instance is cut where its points are, and thing points no query took are not lost.
 
@@ -521,7 +521,9 @@ def connected_pieces(found: EventInstances, coord: torch.Tensor, class_logits: t
     score). Each piece of at least min_points of the points in no instance that `thing` (N,) bool (the stuff
     head's; None: every point) calls things becomes an instance: of the query with the largest summed mask
     probability over it, that query's most probable class that is neither no-object nor stuff, scored by that
-    class's probability times the query's mean mask probability over the piece. Instances are numbered again by
+    class's probability times the query's mean mask probability over the piece. With `collinear` (a |cosine| in
+    (0, 1]), instances of one class that touch (two of their points within `radius`) and lie on one line are then
+    joined (`join_collinear`): a track split between queries is one particle again. Instances are numbered again by
     decreasing score (ties: the published order, then the pieces). ConfigError when the radius puts more than
     MAX_CONNECT_PAIRS pairs of the event's points within reach (counted before any is listed)."""
     # deferred: scipy.spatial and scipy.sparse cost ~0.5 s to import; only this option of evaluation needs them
@@ -537,15 +539,16 @@ def connected_pieces(found: EventInstances, coord: torch.Tensor, class_logits: t
         free &= thing.cpu().numpy()
     group[free] = -2
     size = len(instance)
-    tree = cKDTree(coord.detach().double().cpu().numpy())
+    position = coord.detach().double().cpu().numpy()
+    tree = cKDTree(position)
     within = (tree.count_neighbors(tree, radius) - size) // 2  # counted without listing them: cheap
     if within > MAX_CONNECT_PAIRS:
         raise ConfigError(f"model.connect_radius={radius:g} puts {within:,} pairs of points within reach in an event "
                           f"of {size:,} points, more than {MAX_CONNECT_PAIRS:,} (memory): lower connect_radius (in "
                           "the units of the points' coordinates: voxels for PILArNet-M, where 12 works) or set it to "
                           "None")
-    pairs = tree.query_pairs(radius, output_type="ndarray")
-    pairs = pairs[(group[pairs[:, 0]] == group[pairs[:, 1]]) & (group[pairs[:, 0]] != -1)]
+    near = tree.query_pairs(radius, output_type="ndarray")
+    pairs = near[(group[near[:, 0]] == group[near[:, 1]]) & (group[near[:, 0]] != -1)]
     graph = coo_matrix((np.ones(len(pairs), dtype=np.int8), (pairs[:, 0], pairs[:, 1])), shape=(size, size))
     _, piece = connected_components(graph, directed=False)
     piece_size = np.bincount(piece, minlength=size)
@@ -578,7 +581,11 @@ def connected_pieces(found: EventInstances, coord: torch.Tensor, class_logits: t
 
     if not queries:
         return found
-    order = sorted(range(len(queries)), key=lambda k: -scores[k])  # stable: published order, then the pieces
+    kept = range(len(queries))
+    if collinear is not None:
+        source = join_collinear(source, near, position, np.asarray(classes), np.asarray(scores), collinear)
+        kept = np.unique(source[source >= 0]).tolist()  # a joined instance's other ids are left without points
+    order = sorted(kept, key=lambda k: -scores[k])  # stable: published order, then the pieces
     renumber = np.empty(len(queries), dtype=np.int64)
     renumber[order] = np.arange(len(order))
     new_instance = torch.as_tensor(np.where(source >= 0, renumber[np.maximum(source, 0)], -1), device=device)
@@ -592,6 +599,50 @@ def connected_pieces(found: EventInstances, coord: torch.Tensor, class_logits: t
     return EventInstances(new_instance, point_class, point_score,
                           torch.tensor([queries[k] for k in order], dtype=torch.long, device=device),
                           instance_score, instance_class)
+
+
+def join_collinear(instance: np.ndarray, near: np.ndarray, position: np.ndarray, instance_class: np.ndarray,
+                   score: np.ndarray, min_cosine: float) -> np.ndarray:
+    """Per point instance ids (N,) (-1: none) -> the same with instances that touch and lie on one line joined.
+
+    Two instances of one class (instance_class (K,)) touch when a pair of `near` (M, 2) (point rows within reach of
+    each other) has a point in each. Each instance of at least 3 points has a centre (the mean of its `position`
+    rows (N, 3)) and an axis (the first principal axis of its points); two touching ones are joined when their axes
+    and the line between their centres are all within arccos(min_cosine) of each other (|cosine| > min_cosine, either
+    direction). Joins chain (a track split in three is one again). A joined instance takes the id of its member of
+    highest `score` (K,) (ties: the lower id); the others are left without points."""
+    a, b = instance[near[:, 0]], instance[near[:, 1]]
+    touch = (a >= 0) & (b >= 0) & (a != b)
+    pairs = np.unique(np.sort(np.stack([a[touch], b[touch]], 1), axis=1), axis=0)
+    pairs = pairs[instance_class[pairs[:, 0]] == instance_class[pairs[:, 1]]]
+    centre, axis = {}, {}
+    for k in np.unique(pairs).tolist():
+        points = position[instance == k]
+        if len(points) >= 3:
+            centre[k] = points.mean(0)
+            axis[k] = np.linalg.svd(points - centre[k], full_matrices=False)[2][0]
+    root = np.arange(len(instance_class))
+
+    def find(k: int) -> int:
+        while root[k] != k:
+            root[k] = root[root[k]]
+            k = int(root[k])
+        return k
+
+    for x, y in pairs.tolist():
+        if x not in axis or y not in axis:
+            continue
+        line = centre[y] - centre[x]
+        length = np.linalg.norm(line)
+        if length == 0:
+            continue
+        line = line / length
+        if min(abs(axis[x] @ axis[y]), abs(axis[x] @ line), abs(axis[y] @ line)) > min_cosine:
+            x, y = find(x), find(y)
+            best, other = (x, y) if (-score[x], x) <= (-score[y], y) else (y, x)
+            root[other] = best
+    joined = np.array([find(k) for k in range(len(instance_class))], dtype=np.int64)
+    return np.where(instance >= 0, joined[np.maximum(instance, 0)], -1)
 
 
 def _matrix_nms(masks: torch.Tensor, label: torch.Tensor, score: torch.Tensor, sigma: float) -> torch.Tensor:
