@@ -62,6 +62,10 @@ def test_the_loss_weights_a_config_may_set_are_the_loss_fields():
     (["task.loss={dice: -1}"], "task.loss.dice=-1 is not allowed"),
     (["model.connect_radius=0"], "model.connect_radius=0 is not allowed"),
     (["model.connect_min_points=0"], "model.connect_min_points=0 is not allowed"),
+    (["model.connect_radius=3", "model.connect_collinear=0"], "model.connect_collinear=0 is not allowed"),
+    (["model.connect_radius=3", "model.connect_collinear=1.5"], "model.connect_collinear=1.5 is not allowed"),
+    (["model.connect_collinear=0.9"], "model.connect_collinear=0.9 joins the instances that connect_radius connects, "
+                                      "but model.connect_radius is None (off): set model.connect_radius"),
 ])
 def test_a_panoptic_config_the_run_cannot_train_is_refused_with_what_to_do(shards, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -135,12 +139,13 @@ def detector_runs(shards, tmp_path_factory) -> dict[str, Path]:
     anchored (pimm's query_type, the benchmark's): the anchors of an event must not depend on the rank that
     reads it. Their length unit at 128 voxels: at the default 8 a 4-step detector's masks still keep to a few
     voxels around each anchor, and `pimm predict` needs instances to write. pimm's connected pieces on (its
-    post-processing after the published one): the pieces are made the same at any rank count."""
+    post-processing after the published one) with collinear ones joined: made the same at any rank count."""
     exp = tmp_path_factory.mktemp("detector_runs")
     common = ["--resources.nproc-per-node", "2", "--run.no-timestamp", "--paths.exp-root", str(exp)]
     data = [f"data.train.path={shards}", f"data.val.path={shards}", "num_worker=2", "log_event_ids=true", "epochs=1",
             "optimizer.lr=0.00002", "model.conf_threshold=0.0", "model.query_type=anchored",
-            "model.anchor_length=1.0", "model.connect_radius=3.0", "model.connect_min_points=5"]
+            "model.anchor_length=1.0", "model.connect_radius=3.0", "model.connect_min_points=5",
+            "model.connect_collinear=0.9"]
     runs = {}
     for name, extra in (("full", []), ("cut", ["debug.interrupt_at_step=2"])):
         res = run_pimm(["launch", "--train.config", CONFIG, "--run.name", name, *common, "--", *data, *extra],

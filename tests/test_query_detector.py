@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from scipy.spatial import cKDTree
 
 from pimm.errors import ConfigError
 from pimm.models import query_detector
@@ -16,6 +18,7 @@ from pimm.models.query_detector import (
     connected_pieces,
     farthest_points,
     instances_from_queries,
+    join_collinear,
 )
 from pimm.tasks.panoptic_loss import (
     DetectorLossWeights,
@@ -339,6 +342,56 @@ def test_connected_pieces_cut_instances_where_their_points_are_apart_and_keep_th
     with pytest.raises(ConfigError, match=r"model.connect_radius=1e\+06 puts 120 pairs of points within reach in an "
                                           r"event of 16 points, more than 100 \(memory\): lower connect_radius"):
         connected_pieces(published, coord, class_logits, mask_logits, radius=1e6, min_points=3, thing=thing)
+
+
+def test_join_collinear_joins_touching_instances_of_one_class_on_one_line_and_nothing_else():
+    """Segments of unit-spaced points, touching where within 1.5: 4 (x -10..-1), 0 (x 0..9) and 1 (x 10..19) lie on
+    the x axis, one class, and chain into one instance under 4, the best score; 2 (x = 20, y 1..10) touches 1 at a
+    right angle; 3 (x 30..39) and 5 (x 40..49) touch on one line but differ in class; 6 (2 points, x 50..51) has no
+    axis to compare."""
+    segments = {4: ([(x, 0) for x in range(-10, 0)], 0, 0.95), 0: ([(x, 0) for x in range(10)], 0, 0.9),
+                1: ([(x, 0) for x in range(10, 20)], 0, 0.8), 2: ([(20, y) for y in range(1, 11)], 0, 0.7),
+                3: ([(x, 0) for x in range(30, 40)], 0, 0.6), 5: ([(x, 0) for x in range(40, 50)], 1, 0.5),
+                6: ([(50, 0), (51, 0)], 1, 0.4)}
+    position = np.array([[x, y, 0.0] for k in sorted(segments) for x, y in segments[k][0]])
+    instance = np.concatenate([np.full(len(segments[k][0]), k) for k in sorted(segments)])
+    instance = np.append(instance, -1)  # a point in no instance, beside instance 0
+    position = np.vstack([position, [[5.0, 1.0, 0.0]]])
+    instance_class = np.array([segments[k][1] for k in range(7)])
+    score = np.array([segments[k][2] for k in range(7)])
+    near = cKDTree(position).query_pairs(1.5, output_type="ndarray")
+    joined = join_collinear(instance, near, position, instance_class, score, 0.9)
+    assert dict(zip(instance.tolist(), joined.tolist())) == {4: 4, 0: 4, 1: 4, 2: 2, 3: 3, 5: 5, 6: 6, -1: -1}
+    # a bent line: 1 turned 45 degrees away from 0 is not joined at 0.9 (cos 45 = 0.71), and is at 0.5
+    bent = position.copy()
+    bent[instance == 1] = [[9 + t, t, 0.0] for t in range(1, 11)]
+    near = cKDTree(bent).query_pairs(1.5, output_type="ndarray")
+    assert (join_collinear(instance, near, bent, instance_class, score, 0.9)[instance == 1] == 1).all()
+    assert (join_collinear(instance, near, bent, instance_class, score, 0.5)[instance == 1] == 4).all()
+
+
+def test_connected_pieces_with_collinear_joins_a_line_split_between_queries():
+    """Query 0 takes x 0..5 and query 1 x 6..11 of one line, query 2 a branch at right angles from x = 11: with
+    collinear 0.9 the line is one instance of query 0 (the better score; its points take that score) and the branch
+    another, numbered 0 and 1; without, three instances."""
+    big = 12.0
+    points = [(x, 0) for x in range(12)] + [(11, y) for y in range(1, 6)]
+    coord = torch.tensor([[x, y, 0.0] for x, y in points])
+    mask_logits = torch.full((3, len(points)), -big)
+    mask_logits[0, :6] = big
+    mask_logits[1, 6:12] = 2.0
+    mask_logits[2, 12:] = 1.0
+    class_logits = torch.full((3, NUM_CLASSES + 1), -big)
+    class_logits[:, 0] = big
+    published = instances_from_queries(class_logits, mask_logits)
+    assert published.query.tolist() == [0, 1, 2]
+    apart = connected_pieces(published, coord, class_logits, mask_logits, radius=1.5, min_points=3)
+    assert apart.instance.tolist() == published.instance.tolist()
+    found = connected_pieces(published, coord, class_logits, mask_logits, radius=1.5, min_points=3, collinear=0.9)
+    assert found.instance.tolist() == [0] * 12 + [1] * 5
+    assert found.query.tolist() == [0, 2] and found.instance_class.tolist() == [0, 0]
+    assert found.instance_score.tolist() == [published.instance_score[0], published.instance_score[2]]
+    assert (found.score[:12] == published.instance_score[0]).all()
 
 
 def test_wrong_inputs_say_what_to_do():

@@ -28,6 +28,7 @@ model = dict(
     anchor_length=0.0625,  # pimm's: the anchored queries' length unit (the default, 8 voxels)
     connect_radius=None,  # pimm's post-processing after the published one (off, the default); the test runs set it
     connect_min_points=20,
+    connect_collinear=None,  # pimm's too: joins touching collinear instances after the pieces; the test runs set it
     conf_threshold=0.5,  # post-processing (the published Detector's defaults), here to be overridden
     mask_threshold=0.5,
     stuff_threshold=0.5,
