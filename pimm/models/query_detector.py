@@ -613,7 +613,9 @@ def join_collinear(instance: np.ndarray, near: np.ndarray, position: np.ndarray,
     highest `score` (K,) (ties: the lower id); the others are left without points."""
     a, b = instance[near[:, 0]], instance[near[:, 1]]
     touch = (a >= 0) & (b >= 0) & (a != b)
-    pairs = np.unique(np.sort(np.stack([a[touch], b[touch]], 1), axis=1), axis=0)
+    count = len(instance_class)
+    code = np.unique(np.minimum(a[touch], b[touch]) * count + np.maximum(a[touch], b[touch]))  # each pair once
+    pairs = np.stack([code // count, code % count], 1)
     pairs = pairs[instance_class[pairs[:, 0]] == instance_class[pairs[:, 1]]]
     centre, axis = {}, {}
     for k in np.unique(pairs).tolist():
