@@ -63,7 +63,7 @@ def test_the_loss_weights_a_config_may_set_are_the_loss_fields():
     (["model.connect_radius=0"], "model.connect_radius=0 is not allowed"),
     (["model.connect_min_points=0"], "model.connect_min_points=0 is not allowed"),
     (["model.connect_radius=3", "model.connect_collinear=0"], "model.connect_collinear=0 is not allowed"),
-    (["model.connect_radius=3", "model.connect_collinear=1.5"], "model.connect_collinear=1.5 is not allowed"),
+    (["model.connect_radius=3", "model.connect_collinear=1"], "model.connect_collinear=1 is not allowed"),
     (["model.connect_collinear=0.9"], "model.connect_collinear=0.9 joins the instances that connect_radius connects, "
                                       "but model.connect_radius is None (off): set model.connect_radius"),
 ])

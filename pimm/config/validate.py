@@ -690,9 +690,9 @@ MODEL_OPTIONS: dict[str, dict[str, Rule]] = {
         "anchor_length": number(0, strict=True),
         "connect_radius": optional(number(0, strict=True), "off: the published post-processing alone"),
         "connect_min_points": integer(1),
-        "connect_collinear": optional(Rule("a number in (0, 1] (the smallest |cosine| between two touching instances' "
+        "connect_collinear": optional(Rule("a number in (0, 1) (the smallest |cosine| between two touching instances' "
                                            "axes and the line through their centres that joins them)",
-                                           lambda v: _is_number(v) and 0 < v <= 1), "off: no instances joined"),
+                                           lambda v: _is_number(v) and 0 < v < 1), "off: no instances joined"),
     },
     # Sonata-style self-distillation (pimm.models.sonata): every published constructor argument, and pimm's own
     "Sonata-v1m1": {

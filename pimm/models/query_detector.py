@@ -522,7 +522,7 @@ def connected_pieces(found: EventInstances, coord: torch.Tensor, class_logits: t
     head's; None: every point) calls things becomes an instance: of the query with the largest summed mask
     probability over it, that query's most probable class that is neither no-object nor stuff, scored by that
     class's probability times the query's mean mask probability over the piece. With `collinear` (a |cosine| in
-    (0, 1]), instances of one class that touch (two of their points within `radius`) and lie on one line are then
+    (0, 1)), instances of one class that touch (two of their points within `radius`) and lie on one line are then
     joined (`join_collinear`): a track split between queries is one particle again. Instances are numbered again by
     decreasing score (ties: the published order, then the pieces). ConfigError when the radius puts more than
     MAX_CONNECT_PAIRS pairs of the event's points within reach (counted before any is listed)."""
