@@ -14,10 +14,12 @@ import numbers
 from typing import Any
 
 
-def metric_text(value: float | None) -> str:
+def metric_text(value: float | None, error: float | None = None) -> str:
     """A metric as pimm prints it on a console line: four decimals, "n/a" where it is None (how `dumps` wrote a
-    non-finite value) or not finite."""
-    return "n/a" if value is None or not math.isfinite(value) else f"{value:.4f}"
+    non-finite value) or not finite; with `error` (its standard error) finite, "value ± error"."""
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    return f"{value:.4f} ± {error:.4f}" if error is not None and math.isfinite(error) else f"{value:.4f}"
 
 
 def finite_or_none(value: Any) -> Any:

@@ -159,6 +159,9 @@ def test_a_metric_that_is_null_or_not_finite_prints_as_n_a() -> None:
     """Every console line of metrics (pimm test's, a task's validation line) prints through metric_text: a value
     read back as null and a NaN straight from the meter print alike."""
     assert [metric_text(v) for v in (None, math.nan, np.float32("nan"), -math.inf)] == ["n/a"] * 4
+    # with a standard error where it is finite; a value that is not stays n/a
+    assert [metric_text(0.25, 0.0125), metric_text(0.25, math.nan), metric_text(0.25, None), metric_text(None, 0.1)] \
+        == ["0.2500 ± 0.0125", "0.2500", "0.2500", "n/a"]
     assert [metric_text(v) for v in (0.123456, np.float64(1.0), 0)] == ["0.1235", "1.0000", "0.0000"]
 
 

@@ -137,7 +137,7 @@ def run_test(job: TestJob) -> int:
         print(f"pimm test: self-distillation loss {metric_text(m.get('loss'))}{probe} over {int(m['events'])} "
               f"events; results in {out}")
     else:  # Panoptic
-        values = " ".join(f"{label} {metric_text(m.get(key))}" for label, key in (
+        values = " ".join(f"{label} {metric_text(m.get(key), m.get(f'{key}_sem'))}" for label, key in (
             ("ARI", "ari_all_labelled"), ("PQ", "pq"), ("purity", "purity"), ("efficiency", "efficiency"),
             ("detection F1", "detection_f1")))
         print(f"pimm test: {values} over {int(m['events'])} events; results in {out}")

@@ -21,8 +21,6 @@ split's transforms have MomentumTransform (the detector-v1m2 recipes), else p.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -110,12 +108,8 @@ class Panoptic(Task):
     def summary(self, result: dict) -> str:
         # a metric undefined over these events (purity with no predicted instance) is NaN: printed as pimm test does;
         # each mean over events with its standard error where there is one (two events or more)
-        def value(name: str) -> str:
-            sem = result.get(f"{name}_sem")
-            spread = f" ± {metric_text(sem)}" if sem is not None and math.isfinite(sem) else ""
-            return f"{name} {metric_text(result.get(name))}{spread}"
-
-        values = " ".join(value(name) for name in SUMMARY_METRICS)
+        values = " ".join(f"{name} {metric_text(result.get(name), result.get(f'{name}_sem'))}"
+                          for name in SUMMARY_METRICS)
         return f"loss {result['loss']:.4f} {values} ({int(result['events'])} events)"
 
 
