@@ -389,7 +389,7 @@ def evaluate(detector: Trainee, semantic: Trainee, events: PILArNetDataset, eps:
     found = {"instances_per_event": {name: count / len(events) for name, count in instances.items()},
              "mask_recall": covered / max(instances["particles"], 1),
              "differences": {name: paired_differences(rows[name], rows["predicted"])
-                             for name in ("detector", "connected", "joined") if name in rows}}
+                             for name in ("detector", *variants)}}
     return {name: meter.result() for name, meter in rows.items()}, found
 
 
