@@ -1,6 +1,7 @@
 """Stop, resume and launch the way a cluster runs them: loader workers on, signals to every process
 of the job, a SIGKILLed launcher, a second launch of a running run, resume with changes."""
 
+import contextlib
 import json
 import os
 import shlex
@@ -30,6 +31,8 @@ from conftest import (
     wait_until,
     weights,
 )
+
+from pimm.checkpoint.layout import LAST, STAGING_PREFIX, CheckpointError, verify
 
 
 def _continue_command(stderr: str) -> list[str]:
@@ -114,6 +117,15 @@ def _snapshot(run_dir: Path) -> dict:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
 
 
+def _newest_complete_step(run_dir: Path) -> int:
+    found = []
+    for ckpt in (run_dir / "model").iterdir():
+        if ckpt.name == LAST or ckpt.name.startswith(("step_", STAGING_PREFIX)):
+            with contextlib.suppress(CheckpointError):  # a write the kill cut short: never resumed from
+                found.append(int(verify(ckpt)["step"]))
+    return max(found)
+
+
 def test_one_writer_sigkilled_launcher_leaves_no_process_and_the_run_resumes(tmp_path, tiny_data):
     proc = start_launch(tmp_path, tiny_data, 2, "num_worker=2", "epochs=400", name="long")
     run_dir = tmp_path / "tests" / "long"
@@ -142,8 +154,9 @@ def test_one_writer_sigkilled_launcher_leaves_no_process_and_the_run_resumes(tmp
     assert died_within < 10
     assert attempts(run_dir)[-1]["outcome"] == "running"  # killed: it never recorded an end
 
-    # the kernel released the lock with its holders: the resume runs
-    step = json.loads((run_dir / "model/last/.complete").read_text())["step"]
+    # the kernel released the lock with its holders: the resume runs, from the newest complete checkpoint (a write
+    # the kill caught between its .complete and its rename to last is finished first, so it may be newer than last)
+    step = _newest_complete_step(run_dir)
     res = run_pimm(["launch", "--train.resume", str(run_dir), "--", f"max_steps={step + 2}"], cwd=REPO)
     assert res.returncode == 0, res.stderr
     runs = attempts(run_dir)
