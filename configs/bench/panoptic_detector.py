@@ -55,10 +55,10 @@ model = dict(
         weight_init="fan_in",
     ),
 )
-# pimm's own weight (published: 1.0, pid-dec.py): the stuff head's cross-entropy 20 times the published weight. The
-# mask and class terms (~5 at the end of a 240 s run) steer the small encoder; at weight 1 its stuff head, 500 steps
-# in, finds 63 % of the stuff points and the instances keep the rest, the larger part of what they lose in purity
-# (docs/panoptic.md, "The stuff head's weight")
+# pimm's own: the stuff head's cross-entropy at 20 times the published weight (1.0: detector_v1m1.py:1183 adds the
+# term as it is). The mask and class terms (~5 at the end of a 240 s run) steer the small encoder; at weight 1 its
+# stuff head, 500 steps in, finds 62 to 66 % of the stuff points and the instances keep the rest, most of what they
+# lose in purity (docs/panoptic.md, "The stuff head's weight")
 task = dict(_delete_=True, type="Panoptic", label="particle", stuff_loss_weight=20.0)
 optimizer = dict(type="AdamW", lr=2e-3, weight_decay=0.01)
 # the published recipes' OneCycleLR shape (pid-dec.py:131-138); benchmarks/panoptic.py runs it over its CPU budget
