@@ -123,6 +123,12 @@ def candidates(model_dir: Path) -> tuple[list[Checkpoint], list[Path]]:
     return complete, sorted(incomplete)
 
 
+def newest_complete(model_dir: Path) -> Checkpoint | None:
+    """The newest complete checkpoint among `candidates`, None when there is none."""
+    complete, _ = candidates(model_dir)
+    return complete[0] if complete else None
+
+
 def resumable(model_dir: Path) -> tuple[list[Checkpoint], list[Path]]:
     """(complete checkpoints newest first, incomplete checkpoint directories). Raises
     CheckpointError('Incomplete checkpoint directory ...') when only incomplete ones exist."""

@@ -38,7 +38,7 @@ from pimm.checkpoint.layout import (
     WEIGHTS,
     Checkpoint,
     CheckpointError,
-    candidates,
+    newest_complete,
     read_manifest,
     resumable,
     verify,
@@ -242,8 +242,8 @@ class CheckpointManager:
         for trash in self.model_dir.glob(TRASH_PREFIX + "*"):
             log.warning("removing %s (a checkpoint whose deletion was interrupted)", trash)
             _remove(trash)
-        complete, _ = candidates(self.model_dir)
-        newest = complete[0].step if complete else -1
+        newest_checkpoint = newest_complete(self.model_dir)
+        newest = newest_checkpoint.step if newest_checkpoint else -1
         for staging in sorted(self.model_dir.glob(STAGING_PREFIX + "*")):  # oldest step first
             if not _is_real_dir(staging):  # pimm writes only folders here: a link is removed, never followed
                 log.warning("removing %s (a %s, not a checkpoint write of pimm's)", staging,

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pimm.checkpoint.layout import Checkpoint, candidates
+from pimm.checkpoint.layout import Checkpoint, newest_complete
 from pimm.errors import EXIT_CHECKPOINTED, EXIT_SECOND_SIGNAL, LaunchError
 from pimm.files import write_atomic
 from pimm.launch.plan import TEST_PHASE, LaunchPlan
@@ -150,10 +150,9 @@ def _outcome(run_dir: Path, attempts_before: int, wait_s: float) -> str:
 
 def _newest_checkpoint(run_dir: Path) -> Checkpoint | None:
     try:
-        complete, _ = candidates(run_dir / "model")
+        return newest_complete(run_dir / "model")
     except OSError:
         return None
-    return complete[0] if complete else None
 
 
 def _reports(run_dir: Path, report_dir: Path | None) -> tuple[list[dict], dict[int, str]]:

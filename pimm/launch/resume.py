@@ -21,7 +21,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from pimm.checkpoint.layout import candidates
+from pimm.checkpoint.layout import newest_complete
 from pimm.config import config_hash, read_run_config
 from pimm.errors import ConfigError, LaunchError, PimmError
 
@@ -69,12 +69,13 @@ def load_saved_run(run_dir: Path) -> SavedRun:
     cfg = read_run_config(run_dir / "config.py")
     if isinstance(cfg.get("debug"), dict):  # fault injection belongs to one launch, not to the run
         cfg["debug"] = {key: None for key in cfg["debug"]}
-    return SavedRun(run_dir, cfg, launch, attempts(run_dir), _newest_step(run_dir))
+    return SavedRun(run_dir, cfg, launch, attempts(run_dir), newest_step(run_dir))
 
 
-def _newest_step(run_dir: Path) -> int | None:
-    complete, _ = candidates(run_dir / "model")
-    return complete[0].step if complete else None
+def newest_step(run_dir: Path) -> int | None:
+    """The step of the run's newest complete checkpoint, None when it has none."""
+    newest = newest_complete(run_dir / "model")
+    return newest.step if newest else None
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ class CompletedRun:
 def completed_run(run_dir: Path, cfg: dict) -> CompletedRun | None:
     """`run_dir`'s end when it already trained every step of `cfg`, the config its last attempt ran
     (a Slurm chain's job asks this of the run's config.py); None when it has something to train."""
-    return _completed(SavedRun(run_dir, cfg, {}, attempts(run_dir), _newest_step(run_dir)), cfg, None)
+    return _completed(SavedRun(run_dir, cfg, {}, attempts(run_dir), newest_step(run_dir)), cfg, None)
 
 
 def _completed(saved: SavedRun, cfg: dict, train: TrainSet | None) -> CompletedRun | None:

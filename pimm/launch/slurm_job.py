@@ -24,13 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from pimm.checkpoint.layout import candidates
 from pimm.config import read_run_config
 from pimm.errors import EXIT_BAD_INPUT, EXIT_CHAIN_STOPPED, EXIT_CHECKPOINTED, PimmError
 from pimm.files import write_atomic
 from pimm.launch import node as agent
 from pimm.launch.plan import plan_from_run
-from pimm.launch.resume import completed_run
+from pimm.launch.resume import completed_run, newest_step
 from pimm.launch.run_lock import RunLock
 from pimm.launch.sbatch import NOTHING_TO_DO
 from pimm.launch.slurm import SlurmStep
@@ -69,11 +68,6 @@ def queued_jobs(run_dir: Path) -> list[int]:
     return sorted(int(x) for x in done.stdout.split() if x.isdigit())
 
 
-def newest_checkpoint_step(run_dir: Path) -> int | None:
-    complete, _ = candidates(run_dir / "model")
-    return complete[0].step if complete else None
-
-
 def _completed(run_dir: Path) -> bool:
     """The run already trained every step of its config.py (the rules of `--train.resume`)."""
     try:
@@ -95,7 +89,7 @@ def begin(run_dir: Path, submission_id: str) -> int:
     chain = load_chain(run_dir)
     submission = chain["submissions"].setdefault(submission_id, {"jobs": [], "links": []})
     links = submission["links"]
-    step = newest_checkpoint_step(run_dir)
+    step = newest_step(run_dir)
     where = f"step {step}" if step is not None else "no checkpoint yet"
     link = {"job_id": job_id, "start_step": step, "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "nodes": os.environ.get("SLURM_JOB_NODELIST")}
@@ -126,7 +120,7 @@ def end(run_dir: Path, submission_id: str, status: int) -> int:
     chain = load_chain(run_dir)
     submission = chain["submissions"].get(submission_id, {"jobs": [], "links": []})
     job_id = int(os.environ.get("SLURM_JOB_ID", 0))
-    step = newest_checkpoint_step(run_dir)
+    step = newest_step(run_dir)
     for link in submission["links"]:
         if link["job_id"] == job_id:
             link.update(end_step=step, status=status, end_time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
@@ -166,7 +160,7 @@ def node(run_dir: Path) -> int:
         agent.announce_refusal(run_dir, step.tag, str(exc))
         raise
     try:
-        resume = newest_checkpoint_step(run_dir) is not None
+        resume = newest_step(run_dir) is not None
         plan = plan_from_run(run_dir, endpoint, step.tag, resume=resume)
     except PimmError as exc:
         agent.announce_refusal(run_dir, step.tag, str(exc))
