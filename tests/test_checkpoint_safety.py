@@ -18,7 +18,16 @@ from conftest import attempts, launch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from pimm.checkpoint import safe_dcp
-from pimm.checkpoint.layout import COMPLETE, LAST, TRAINER, CheckpointError, candidates, verify, write_manifest
+from pimm.checkpoint.layout import (
+    COMPLETE,
+    LAST,
+    TRAINER,
+    CheckpointError,
+    candidates,
+    newest_resumable,
+    verify,
+    write_manifest,
+)
 from pimm.checkpoint.manager import CheckpointManager
 from pimm.checkpoint.state import rng_states, set_rng_states
 
@@ -186,8 +195,11 @@ def test_a_finished_write_newer_than_last_is_promoted_at_resume(tmp_path, monkey
     _save(manager, 2)
     _interrupted_before_rename(manager, 3, monkeypatch)
     assert [c.step for c in candidates(model_dir)[0]] == [2, 1]  # a staging dir is no candidate
+    # but it is what a resume goes on from: the pre-flight and a Slurm chain's bookkeeping read this
+    assert (newest_resumable(model_dir).path.name, newest_resumable(model_dir).step) == (".tmp-step_00000003", 3)
     found = CheckpointManager(model_dir, 0, 1, keep_last=2).resume_candidates()
     assert [(c.path.name, c.step) for c in found] == [(LAST, 3), ("step_00000002", 2)]
+    assert (newest_resumable(model_dir).path.name, newest_resumable(model_dir).step) == (LAST, 3)
     assert sorted(p.name for p in model_dir.iterdir()) == [LAST, "step_00000002"]
 
 
@@ -196,9 +208,24 @@ def test_a_finished_write_not_newer_than_last_is_removed_at_resume(tmp_path, mon
     manager = CheckpointManager(model_dir, 0, 1, keep_last=2, async_save=False)
     _interrupted_before_rename(manager, 1, monkeypatch)
     _save(manager, 2)
+    assert (newest_resumable(model_dir).path.name, newest_resumable(model_dir).step) == (LAST, 2)
     found = CheckpointManager(model_dir, 0, 1, keep_last=2).resume_candidates()
     assert [(c.path.name, c.step) for c in found] == [(LAST, 2)]
     assert sorted(p.name for p in model_dir.iterdir()) == [LAST]
+
+
+def test_only_a_finished_write_counts_and_a_link_is_never_followed(tmp_path, monkeypatch):
+    model_dir = tmp_path / "model"
+    assert newest_resumable(model_dir) is None  # no model folder yet
+    manager = CheckpointManager(model_dir, 0, 1, keep_last=2, async_save=False)
+    _interrupted_before_rename(manager, 1, monkeypatch)
+    assert newest_resumable(model_dir).step == 1  # a first checkpoint killed before its rename still counts
+    (model_dir / ".tmp-step_00000001" / COMPLETE).unlink()  # killed before its manifest: not a checkpoint
+    assert newest_resumable(model_dir) is None
+    elsewhere = tmp_path / "elsewhere"
+    _interrupted_before_rename(CheckpointManager(elsewhere, 0, 1, async_save=False), 5, monkeypatch)
+    (model_dir / ".tmp-step_00000005").symlink_to(elsewhere / ".tmp-step_00000005")
+    assert newest_resumable(model_dir) is None
 
 
 def test_pruning_cut_short_leaves_no_complete_checkpoint_with_missing_files(tmp_path, monkeypatch):

@@ -152,6 +152,30 @@ def test_a_chain_job_without_checkpoint_progress_ends_the_chain(slurm, tmp_path,
     assert len(attempts(run_dir)) == 1  # the second job never started training
 
 
+def test_a_job_killed_between_a_checkpoints_manifest_and_its_rename_is_progress(slurm, tmp_path, tiny_data):
+    # rank 0 dies (SIGKILL) after writing step 12's `.complete`, before renaming .tmp-step_00000012 to `last`: the
+    # first checkpoint of the run. The next job must count it (not end the chain for want of progress) and go on
+    kill = "debug.kill_after_checkpoint_manifest_at_step=12"
+    res, run_dir = submit(tmp_path, tiny_data, "epochs=2", "num_worker=4", kill, name="renamed",
+                          extra=["--chain.jobs", "2"])
+    assert res.returncode == 0, res.stderr
+    first, second = jobs = job_ids(res)
+    with cancelled_at_exit(jobs):
+        states = wait_for_slurm_jobs(jobs)
+    log1, log2 = slurm_log(run_dir, first), slurm_log(run_dir, second)
+    assert states[0]["JobState"] == "FAILED", log1
+    assert "the last complete checkpoint is step 12" in log1 and "the resume renames it last first" in log1, log1
+    chain = json.loads((run_dir / "slurm" / "chain.json").read_text())
+    (submission,) = chain["submissions"].values()
+    assert [link.get("end_step") for link in submission["links"]] == [12, 24], chain
+    assert states[1]["JobState"] == "COMPLETED" and states[1]["ExitCode"] == "0:0", log2
+    assert f"resumes {run_dir} from step 12" in log2 and "no checkpoint progress" not in log2
+    resumed = attempts(run_dir)[-1]
+    assert resumed["start_step"] == 12 and resumed["outcome"] == "completed"
+    assert resumed["resumed_from"] == str(run_dir / "model" / "last")
+    assert not list((run_dir / "model").glob(".tmp-*"))
+
+
 def test_srun_pimm_launch_inside_an_allocation(slurm, tmp_path, tiny_data):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     argv = ["salloc", "-N", "2", "--ntasks-per-node=1", "--cpus-per-task=2", "--time=10",

@@ -55,6 +55,7 @@ freeze = []  # fnmatch patterns of parameter names kept fixed (not trained), e.g
 param_groups = []
 debug = dict(  # fault injection, used by the tests
     nonfinite_loss_at_step=None, interrupt_at_step=None, kill_during_checkpoint_at_step=None,
+    kill_after_checkpoint_manifest_at_step=None,  # rank 0 dies between a checkpoint's manifest and its rename
     desync_rank_params=None,  # True: perturb rank 1's parameters after the strategy wrap (replicas differ)
 )
 

@@ -129,6 +129,31 @@ def newest_complete(model_dir: Path) -> Checkpoint | None:
     return complete[0] if complete else None
 
 
+def finished_writes(model_dir: Path) -> list[Checkpoint]:
+    """Staging directories whose manifest was written (a crash came between `.complete` and the rename to
+    `last`), newest first. A resume finishes the newest of them first when it is newer than every complete
+    checkpoint (CheckpointManager._finish_interrupted_writes); links are never followed."""
+    finished = []
+    for path in model_dir.glob(STAGING_PREFIX + "*") if model_dir.is_dir() else ():
+        if path.is_symlink() or not path.is_dir():
+            continue
+        try:
+            finished.append(Checkpoint(path, int(read_manifest(path)["step"])))
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            continue
+    return sorted(finished, key=lambda c: c.step, reverse=True)
+
+
+def newest_resumable(model_dir: Path) -> Checkpoint | None:
+    """The checkpoint a resume goes on from: the newest complete one, or a finished write newer than it (the
+    resume renames it `last` first); None when there is neither."""
+    newest = newest_complete(model_dir)
+    finished = finished_writes(model_dir)
+    if finished and (newest is None or finished[0].step > newest.step):
+        return finished[0]
+    return newest
+
+
 def resumable(model_dir: Path) -> tuple[list[Checkpoint], list[Path]]:
     """(complete checkpoints newest first, incomplete checkpoint directories). Raises
     CheckpointError('Incomplete checkpoint directory ...') when only incomplete ones exist."""

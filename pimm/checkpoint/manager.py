@@ -101,6 +101,7 @@ class CheckpointManager:
         keep_last: int = 2,
         async_save: bool = True,
         kill_during_save_at_step: int | None = None,
+        kill_after_manifest_at_step: int | None = None,
     ) -> None:
         if keep_last < 1:
             raise CheckpointError(f"checkpoint_keep_last must be >= 1, got {keep_last}")
@@ -109,7 +110,9 @@ class CheckpointManager:
         self.world_size = world_size
         self.keep_last = keep_last
         self.async_save = async_save
-        self._kill_at = kill_during_save_at_step  # fault injection for tests
+        # fault injection for tests: rank 0 dies before a write's manifest, or between it and the rename to `last`
+        self._kill_at = kill_during_save_at_step
+        self._kill_after_manifest_at = kill_after_manifest_at_step
         # a group of its own: the writer thread's collectives never meet the training ones
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._thread: threading.Thread | None = None
@@ -180,6 +183,8 @@ class CheckpointManager:
             if self._kill_at == step:
                 os.kill(os.getpid(), 9)  # fault injection: die in the middle of a checkpoint write
             write_manifest(staging, step)
+            if self._kill_after_manifest_at == step:
+                os.kill(os.getpid(), 9)
             self._promote(staging, step)
         self.last_write_s = time.perf_counter() - start
 

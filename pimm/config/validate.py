@@ -201,7 +201,8 @@ RULES: tuple[tuple[str, bool, Rule], ...] = (
                                              and all(isinstance(g, dict) for g in v)), "one group")),
     ("debug", OPTIONAL, optional(DICT, "no fault injection")),
     *((f"debug.{key}", OPTIONAL, optional(integer(1), "off"))
-      for key in ("nonfinite_loss_at_step", "interrupt_at_step", "kill_during_checkpoint_at_step")),
+      for key in ("nonfinite_loss_at_step", "interrupt_at_step", "kill_during_checkpoint_at_step",
+                  "kill_after_checkpoint_manifest_at_step")),
     ("debug.desync_rank_params", OPTIONAL, optional(BOOL, "off")),
 )
 

@@ -142,6 +142,7 @@ class Trainer:
             run_dir / "model", env.rank, env.world_size,
             keep_last=int(cfg["checkpoint_keep_last"]), async_save=bool(cfg["checkpoint_async"]),
             kill_during_save_at_step=debug.get("kill_during_checkpoint_at_step"),
+            kill_after_manifest_at_step=debug.get("kill_after_checkpoint_manifest_at_step"),
         )
         # model, optimizer, scheduler, progress and RNG, handed to the checkpoint as stateful objects
         self.checkpoint_components = checkpoint_components(self)

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pimm.checkpoint.layout import Checkpoint, newest_complete
+from pimm.checkpoint.layout import LAST, STAGING_PREFIX, Checkpoint, newest_resumable
 from pimm.errors import EXIT_CHECKPOINTED, EXIT_SECOND_SIGNAL, LaunchError
 from pimm.files import write_atomic
 from pimm.launch.plan import TEST_PHASE, LaunchPlan
@@ -150,7 +150,7 @@ def _outcome(run_dir: Path, attempts_before: int, wait_s: float) -> str:
 
 def _newest_checkpoint(run_dir: Path) -> Checkpoint | None:
     try:
-        return newest_complete(run_dir / "model")
+        return newest_resumable(run_dir / "model")
     except OSError:
         return None
 
@@ -236,7 +236,10 @@ def _continue_lines(plan, checkpoint, full_disk: bool = False) -> list[str]:
         return ["no checkpoint was written"]
     command = continue_command(plan.run_dir, plan.nproc_per_node, plan.nnodes, plan.max_restarts)
     first = "; free space on its disk first" if full_disk else ""
-    return [f"the last complete checkpoint is step {checkpoint.step} ({checkpoint.path}){first}",
+    where = str(checkpoint.path)
+    if checkpoint.path.name.startswith(STAGING_PREFIX):  # written in full, stopped before its rename
+        where += f": written in full, the resume renames it {LAST} first"
+    return [f"the last complete checkpoint is step {checkpoint.step} ({where}){first}",
             f"continue with: {command}"]
 
 

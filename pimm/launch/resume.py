@@ -21,7 +21,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from pimm.checkpoint.layout import newest_complete
+from pimm.checkpoint.layout import newest_resumable
 from pimm.config import config_hash, read_run_config
 from pimm.errors import ConfigError, LaunchError, PimmError
 
@@ -35,7 +35,7 @@ class SavedRun:
     cfg: dict
     launch: dict  # launch.json of the latest launch ({} for runs older than launch.json)
     attempts: list[dict]  # provenance.json's, oldest first
-    newest_step: int | None  # of the newest complete checkpoint; None without one
+    newest_step: int | None  # the step a resume goes on from (newest_step); None without a checkpoint
 
     @property
     def config_name(self) -> str:
@@ -73,8 +73,9 @@ def load_saved_run(run_dir: Path) -> SavedRun:
 
 
 def newest_step(run_dir: Path) -> int | None:
-    """The step of the run's newest complete checkpoint, None when it has none."""
-    newest = newest_complete(run_dir / "model")
+    """The step a resume of the run goes on from (its newest complete checkpoint, or a newer finished write the
+    resume renames first: layout.newest_resumable), None when it has none."""
+    newest = newest_resumable(run_dir / "model")
     return newest.step if newest else None
 
 
