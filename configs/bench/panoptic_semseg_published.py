@@ -45,4 +45,7 @@ model = dict(
     grid_size=0.001 * _scale,  # the detector's voxels (detector-v1m1-pt-v3m2-ft-pid-dec.py)
     grid_origin=384.0,
 )
-task = dict(_delete_=True, type="SemanticSegmentation")
+# the published semantic recipes' loss (configs/panda/semseg/semseg-pt-v3m2-pilarnet-ft-5cls-dec.py:63-64, as the
+# detector follows the published detector recipe's): cross-entropy plus Lovasz-softmax at 1/20
+task = dict(_delete_=True, type="SemanticSegmentation",
+            loss=[dict(type="CrossEntropy", weight=1.0), dict(type="Lovasz", weight=1.0 / 20.0)])
