@@ -4,15 +4,16 @@ events, both models trained here within a CPU budget and scored with pimm's pano
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/panoptic.py [--seconds 240 | --steps N] [--events 200]
         [--test-events 50] [--points-per-event 4000] [--eps 1.9,4,8,12] [--timing-pairs N] [--out FILE]
 
-Events: `pimm data synth --layout pilarnet --revision v2` (1 to 3 interactions and the rain per image),
-training and held-out events from two seeds, read as the configs' data say (PILArNetDataset(instances=True),
-pid classes, "none" as stuff). Two models on the same PT-v3m2 encoder (configs/bench/panoptic_detector.py and
-panoptic_semseg.py) train in one process through pimm's own pieces (build_model, build_task,
-task.forward_loss, the config's AdamW, collate_events) until each has spent --seconds of CPU time (all
-threads) in its own steps, or with --steps until each has taken that many steps. The configs' OneCycleLR (the
-published recipes' shape) runs over that budget: at each step the learning rate is the schedule's at the fraction
-of the budget spent, since the number of steps a CPU budget buys is not known in advance. Their steps alternate on
-the same batches, in ABBA order, so the step-time ratio sees the same events and the same machine.
+Events: `pimm data synth --layout pilarnet --revision v2` (1 to 3 interactions and the rain per image), training
+and held-out events from two seeds, read as the configs' data say (PILArNetDataset(instances=True), pid classes,
+"none" as stuff). Two models on the same PT-v3m2 encoder (configs/bench/panoptic_detector.py and
+panoptic_semseg.py, the semantic model with the published semantic recipes' loss, cross-entropy plus Lovasz-softmax
+at 1/20) train in one process through pimm's own pieces (build_model, build_task, task.forward_loss, the config's
+AdamW, collate_events) until each has spent --seconds of CPU time (all threads) in its own steps, or with --steps
+until each has taken that many steps. The configs' OneCycleLR (the published recipes' shape) runs over that budget:
+at each step the learning rate is the schedule's at the fraction of the budget spent, since the number of steps a
+CPU budget buys is not known in advance. Their steps alternate on the same batches, in ABBA order, so the step-time
+ratio sees the same events and the same machine.
 
 The two budgets answer different questions. CPU seconds are fair between the models (the detector's step costs
 more, so it takes fewer), and a CPU second buys different work on different machines. A number of steps gives the
