@@ -1,7 +1,8 @@
 """`pimm submit` and `srun pimm launch` on a real two-node Slurm cluster (scripts/slurm_local.sh,
 started by .ci/run): world size 4 across two nodes, chains cut by a real `scancel --signal=USR1`
-that resume to the same weights, a chain that ends when a job makes no progress, and the errors
-a user meets before anything is queued."""
+that resume to the same weights, a chain that ends when a job makes no progress, one that goes on
+from a checkpoint written in full by a job killed before its rename, and the errors a user meets
+before anything is queued."""
 
 from __future__ import annotations
 
