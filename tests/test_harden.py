@@ -1,7 +1,6 @@
 """Stop, resume and launch the way a cluster runs them: loader workers on, signals to every process
 of the job, a SIGKILLed launcher, a second launch of a running run, resume with changes."""
 
-import contextlib
 import json
 import os
 import shlex
@@ -32,7 +31,7 @@ from conftest import (
     weights,
 )
 
-from pimm.checkpoint.layout import LAST, STAGING_PREFIX, CheckpointError, verify
+from pimm.checkpoint.layout import newest_resumable
 
 
 def _continue_command(stderr: str) -> list[str]:
@@ -117,15 +116,6 @@ def _snapshot(run_dir: Path) -> dict:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
 
 
-def _newest_complete_step(run_dir: Path) -> int:
-    found = []
-    for ckpt in (run_dir / "model").iterdir():
-        if ckpt.name == LAST or ckpt.name.startswith(("step_", STAGING_PREFIX)):
-            with contextlib.suppress(CheckpointError):  # a write the kill cut short: never resumed from
-                found.append(int(verify(ckpt)["step"]))
-    return max(found)
-
-
 def test_one_writer_sigkilled_launcher_leaves_no_process_and_the_run_resumes(tmp_path, tiny_data):
     proc = start_launch(tmp_path, tiny_data, 2, "num_worker=2", "epochs=400", name="long")
     run_dir = tmp_path / "tests" / "long"
@@ -156,7 +146,7 @@ def test_one_writer_sigkilled_launcher_leaves_no_process_and_the_run_resumes(tmp
 
     # the kernel released the lock with its holders: the resume runs, from the newest complete checkpoint (a write
     # the kill caught between its .complete and its rename to last is finished first, so it may be newer than last)
-    step = _newest_complete_step(run_dir)
+    step = newest_resumable(run_dir / "model").step
     res = run_pimm(["launch", "--train.resume", str(run_dir), "--", f"max_steps={step + 2}"], cwd=REPO)
     assert res.returncode == 0, res.stderr
     runs = attempts(run_dir)

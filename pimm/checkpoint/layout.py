@@ -129,13 +129,18 @@ def newest_complete(model_dir: Path) -> Checkpoint | None:
     return complete[0] if complete else None
 
 
+def is_real_dir(path: Path) -> bool:
+    """A folder itself, not a symbolic link to one: pimm writes only folders under `model/`."""
+    return path.is_dir() and not path.is_symlink()
+
+
 def finished_writes(model_dir: Path) -> list[Checkpoint]:
     """Staging directories whose manifest was written (a crash came between `.complete` and the rename to
     `last`), newest first. A resume finishes the newest of them first when it is newer than every complete
     checkpoint (CheckpointManager._finish_interrupted_writes); links are never followed."""
     finished = []
     for path in model_dir.glob(STAGING_PREFIX + "*") if model_dir.is_dir() else ():
-        if path.is_symlink() or not path.is_dir():
+        if not is_real_dir(path):
             continue
         try:
             finished.append(Checkpoint(path, int(read_manifest(path)["step"])))

@@ -38,6 +38,7 @@ from pimm.checkpoint.layout import (
     WEIGHTS,
     Checkpoint,
     CheckpointError,
+    is_real_dir,
     newest_complete,
     read_manifest,
     resumable,
@@ -208,7 +209,7 @@ class CheckpointManager:
     def _discard(self, path: Path) -> None:
         """Delete a checkpoint directory so that no crash leaves it half deleted under its name:
         rename it to .trash-<name> (which nothing resumes from) first."""
-        if not _is_real_dir(path):  # a link or file planted under a checkpoint's name: removed, never followed
+        if not is_real_dir(path):  # a link or file planted under a checkpoint's name: removed, never followed
             _remove(path)
             return
         trash = self.model_dir / f"{TRASH_PREFIX}{path.name}"
@@ -250,7 +251,7 @@ class CheckpointManager:
         newest_checkpoint = newest_complete(self.model_dir)
         newest = newest_checkpoint.step if newest_checkpoint else -1
         for staging in sorted(self.model_dir.glob(STAGING_PREFIX + "*")):  # oldest step first
-            if not _is_real_dir(staging):  # pimm writes only folders here: a link is removed, never followed
+            if not is_real_dir(staging):  # pimm writes only folders here: a link is removed, never followed
                 log.warning("removing %s (a %s, not a checkpoint write of pimm's)", staging,
                             "symbolic link" if staging.is_symlink() else "file")
                 _remove(staging)
@@ -284,15 +285,10 @@ class CheckpointManager:
             fsync(self.model_dir)
 
 
-def _is_real_dir(path: Path) -> bool:
-    """A folder itself, not a symbolic link to one."""
-    return path.is_dir() and not path.is_symlink()
-
-
 def _remove(path: Path) -> None:
     """Remove `path` without following it: a symbolic link or file is unlinked (what it points to
     stays), a folder deleted with its contents; nothing there is no error."""
-    if _is_real_dir(path):
+    if is_real_dir(path):
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
